@@ -1,0 +1,153 @@
+"""KV-cache specs: the shape of one rank's paged KV cache, and what a handshake compares.
+
+A rank's cache is a list of *regions* (one contiguous tensor each), ordered layer-major.
+Each region's first axis is the block id. Per layout, one region's tensor shape is:
+
+========================  =========================================================
+dense, HND                ``(num_blocks, local_heads, block_size, head_dim)`` (K, V)
+dense, NHD                ``(num_blocks, block_size, local_heads, head_dim)`` (K, V)
+dense, HND, ``joint_kv``  ``(num_blocks, 2, local_heads, block_size, head_dim)``
+dense, NHD, ``joint_kv``  ``(num_blocks, 2, block_size, local_heads, head_dim)``
+MLA                       ``(num_blocks, block_size, head_dim)`` (the latent cache)
+========================  =========================================================
+
+Dense layouts without ``joint_kv`` have two regions per layer (K then V); the others one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+import msgspec
+
+from akv import tp
+from akv.errors import ConfigError
+
+__all__ = ["COMPAT_FIELDS", "DTYPE_SIZES", "KVSpec"]
+
+#: Bytes per element of each supported dtype name.
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+#: The spec fields two engines must agree on to exchange blocks (``num_blocks`` may differ).
+COMPAT_FIELDS: tuple[str, ...] = (
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "block_size",
+    "kind",
+    "layout",
+    "joint_kv",
+)
+
+
+class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The model-level shape of a paged KV cache plus this engine's pool size.
+
+    ``kv_heads`` is the model's total number of KV heads (1 for MLA). Per-rank head counts
+    follow from the TP size (see :func:`akv.tp.held_heads`). Construct with
+    :meth:`KVSpec.create` to validate.
+    """
+
+    layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    kind: Literal["dense", "mla"] = "dense"
+    layout: Literal["HND", "NHD"] = "HND"
+    joint_kv: bool = False
+
+    @classmethod
+    def create(cls, **fields: object) -> KVSpec:
+        """Build and validate a spec; raises :class:`ConfigError` naming the bad field."""
+        try:
+            spec = msgspec.convert(fields, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid KV spec: {exc}") from None
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` if any field is out of range."""
+        for name in ("layers", "num_blocks", "block_size", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"KV spec field {name!r} must be >= 1, got {value}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ConfigError(
+                f"unsupported dtype {self.dtype!r}; use one of {sorted(DTYPE_SIZES)}"
+            )
+        if self.kind == "mla" and self.joint_kv:
+            raise ConfigError("an MLA cache has no separate K and V: set joint_kv=False")
+
+    # -- geometry -------------------------------------------------------------------------
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def regions_per_layer(self) -> int:
+        """Regions (tensors) per layer: 2 for dense K/V in separate tensors, else 1."""
+        return 2 if self.kind == "dense" and not self.joint_kv else 1
+
+    @property
+    def num_regions(self) -> int:
+        """Total number of regions (tensors) of one rank."""
+        return self.layers * self.regions_per_layer
+
+    @property
+    def planes(self) -> int:
+        """K/V planes inside one block of one region (2 for ``joint_kv``, else 1)."""
+        return 2 if self.joint_kv else 1
+
+    def local_heads(self, tp_rank: int, tp_size: int) -> int:
+        """Number of KV heads a rank stores (always 1 for MLA)."""
+        if self.kind == "mla":
+            tp.check_tp(tp_rank, tp_size)
+            return 1
+        return len(tp.held_heads(tp_rank, tp_size, self.kv_heads))
+
+    def head_bytes(self) -> int:
+        """Bytes of one head of one plane of one block."""
+        return self.block_size * self.head_dim * self.element_size
+
+    def block_bytes(self, tp_rank: int, tp_size: int) -> int:
+        """Bytes of one block in one region of a rank."""
+        return self.planes * self.local_heads(tp_rank, tp_size) * self.head_bytes()
+
+    def region_shape(self, tp_rank: int, tp_size: int) -> tuple[int, ...]:
+        """The tensor shape of each region of a rank (see the module docstring)."""
+        n, b, d = self.num_blocks, self.block_size, self.head_dim
+        if self.kind == "mla":
+            return (n, b, d)
+        h = self.local_heads(tp_rank, tp_size)
+        inner = (h, b, d) if self.layout == "HND" else (b, h, d)
+        return (n, 2, *inner) if self.joint_kv else (n, *inner)
+
+    # -- compatibility --------------------------------------------------------------------
+
+    def compat_dict(self) -> dict[str, object]:
+        """The fields that must match between two engines."""
+        return {name: getattr(self, name) for name in COMPAT_FIELDS}
+
+    def compat_hash(self) -> str:
+        """A short stable hash of :meth:`compat_dict`, sent in the handshake."""
+        payload = msgspec.json.encode(self.compat_dict())
+        return hashlib.sha256(payload).hexdigest()[:16]
+
+    def diff(self, other: KVSpec) -> tuple[str, ...]:
+        """Names of the compatibility fields whose values differ."""
+        return tuple(n for n in COMPAT_FIELDS if getattr(self, n) != getattr(other, n))
