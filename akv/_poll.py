@@ -1,0 +1,50 @@
+"""The adaptive wait used by pollers: spin while busy, back off when idle."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+
+__all__ = ["Backoff"]
+
+
+class Backoff:
+    """Yields immediately for ``spin_s`` after the last progress, then sleeps with growing delays.
+
+    ``wake()`` (called when new work arrives) ends a sleep early.
+    """
+
+    def __init__(self, *, spin_s: float = 0.002, max_sleep_s: float = 0.002, idle_sleep_s: float = 0.05) -> None:
+        self.spin_s = spin_s
+        self.max_sleep_s = max_sleep_s
+        self.idle_sleep_s = idle_sleep_s
+        self._last = time.monotonic()
+        self._delay = 0.0
+        self._event = anyio.Event()
+
+    def progressed(self) -> None:
+        """Record progress: the next waits spin."""
+        self._last = time.monotonic()
+        self._delay = 0.0
+
+    def wake(self) -> None:
+        """New work arrived: end the current sleep and spin again."""
+        self.progressed()
+        self._event.set()
+
+    async def wait(self, busy: bool, limit: float | None = None) -> None:
+        """Wait before the next poll; ``busy`` means work is pending, ``limit`` caps the sleep."""
+        now = time.monotonic()
+        if busy and now - self._last < self.spin_s:
+            await anyio.sleep(0)
+            return
+        if busy:
+            self._delay = min(self.max_sleep_s, max(self._delay * 2, 0.0005))
+        else:
+            self._delay = self.idle_sleep_s
+        delay = self._delay if limit is None else max(0.0, min(self._delay, limit))
+        if self._event.is_set():
+            self._event = anyio.Event()
+        with anyio.move_on_after(delay):
+            await self._event.wait()

@@ -1,0 +1,90 @@
+"""Counters and transfer statistics, with a snapshot API and listeners (e.g. Prometheus)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+__all__ = ["COUNTERS", "Metrics", "MetricsSnapshot", "TransferStats"]
+
+#: Counter names akv maintains (others may be added by callers).
+COUNTERS: tuple[str, ...] = (
+    "handshakes",
+    "handshakes_failed",
+    "handshakes_served",
+    "auth_failures",
+    "connections_refused",
+    "connections_timed_out",
+    "transfers",
+    "transfers_failed",
+    "transfers_timed_out",
+    "notifications_sent",
+    "notifications_received",
+    "notifications_unknown",
+    "notifications_invalid",
+    "exposed",
+    "released_read",
+    "released_expired",
+    "lease_extensions",
+)
+
+
+class TransferStats(msgspec.Struct, frozen=True):
+    """Aggregates over completed transfers (durations over the last ``window``)."""
+
+    count: int
+    bytes: int
+    descriptors: int
+    seconds_p50: float
+    seconds_p99: float
+
+
+class MetricsSnapshot(msgspec.Struct, frozen=True):
+    """A point-in-time copy of a component's metrics."""
+
+    counters: dict[str, int]
+    transfers: TransferStats
+
+
+Listener = Callable[[str, float], None]
+
+
+class Metrics:
+    """Mutable metrics of one component. Cheap to update; :meth:`snapshot` copies."""
+
+    def __init__(self, window: int = 4096) -> None:
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._durations: deque[float] = deque(maxlen=window)
+        self._bytes = 0
+        self._descriptors = 0
+        self._count = 0
+        self.listeners: list[Listener] = []
+
+    def inc(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to a counter."""
+        self.counters[name] = self.counters.get(name, 0) + n
+        for listener in self.listeners:
+            listener(name, n)
+
+    def observe_transfer(self, nbytes: int, descriptors: int, seconds: float) -> None:
+        """Record one completed transfer."""
+        self._count += 1
+        self._bytes += nbytes
+        self._descriptors += descriptors
+        self._durations.append(seconds)
+        for listener in self.listeners:
+            listener("transfer_seconds", seconds)
+            listener("transfer_bytes", nbytes)
+            listener("transfer_descriptors", descriptors)
+
+    def snapshot(self) -> MetricsSnapshot:
+        """A copy of the counters and transfer aggregates."""
+        if self._durations:
+            p50, p99 = np.percentile(np.fromiter(self._durations, float), [50, 99])
+        else:
+            p50 = p99 = 0.0
+        stats = TransferStats(self._count, self._bytes, self._descriptors, float(p50), float(p99))
+        return MetricsSnapshot(dict(self.counters), stats)
