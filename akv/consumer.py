@@ -13,7 +13,7 @@ import anyio
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import structlog
+from akv._log import get_logger
 import torch
 
 from akv import tp
@@ -38,7 +38,7 @@ from akv.wire import Challenge, Hello, Notice, encode_notice
 
 __all__ = ["Consumer", "PullRequest", "Transfer", "TransferResult", "TransferSession"]
 
-log = structlog.stdlib.get_logger("akv.consumer")
+log = get_logger("akv.consumer")
 
 
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -26,7 +26,7 @@ from hashlib import sha256
 from typing import Any, Protocol
 
 import anyio
-import structlog
+from akv._log import get_logger
 from anyio.abc import SocketStream, TaskStatus
 
 from akv import tp
@@ -70,7 +70,7 @@ __all__ = [
     "resolve_secret",
 ]
 
-log = structlog.stdlib.get_logger("akv.control")
+log = get_logger("akv.control")
 
 SECRET_ENV = "AKV_SECRET"
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import anyio
 import numpy as np
 import numpy.typing as npt
-import structlog
+from akv._log import get_logger
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -30,7 +30,7 @@ from akv.wire import Notice, RankInfo, decode_notice
 
 __all__ = ["Producer", "Release"]
 
-log = structlog.stdlib.get_logger("akv.producer")
+log = get_logger("akv.producer")
 
 ReleaseReason = Literal["read", "expired", "closed"]
 

@@ -1,0 +1,5 @@
+"""``python -m akv`` runs the CLI."""
+
+from akv.cli import main
+
+raise SystemExit(main())

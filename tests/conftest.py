@@ -1,0 +1,133 @@
+"""Shared fixtures: anyio backends, a prefill engine in another process, in-process engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+import akv
+from akv.fill import expected_blocks
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def asyncio_only() -> str:
+    return "asyncio"
+
+
+MODEL = ["--layers", "2", "--blocks", "64", "--block-size", "4", "--head-dim", "16", "--dtype", "float16"]
+
+
+@contextmanager
+def prefill_process(tp_size: int, kv_heads: int, *extra: str, requests: int = 6,
+                    env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Run ``akv prefill`` in another process; yields (process, endpoint)."""
+    cmd = [sys.executable, "-m", "akv", "prefill", "--tp-size", str(tp_size), "--kv-heads", str(kv_heads),
+           "--requests", str(requests), "--blocks-per-request", "4", "--json", "--timeout", "60", *MODEL, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        ready = json.loads(line)
+        assert ready["event"] == "ready", line
+        yield proc, ready["endpoint"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def summary_of(proc: subprocess.Popen[str], timeout: float = 30) -> dict[str, object]:
+    """Wait for a CLI process and return its last JSON line."""
+    out, _ = proc.communicate(timeout=timeout)
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    return dict(json.loads(lines[-1]))
+
+
+@dataclass
+class Engine:
+    """In-process prefill ranks sharing one control server."""
+
+    spec: akv.KVSpec
+    producers: list[akv.Producer]
+    server: akv.ControlServer
+    releases: list[akv.Release] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.server.endpoint)
+
+    def fill(self, request_id: str, block_ids: Sequence[int], seed: int, lease: float | None = None) -> None:
+        for p in self.producers:
+            for region, t in enumerate(p.kv_caches):
+                view = t.view(torch.uint8).view(self.spec.num_blocks, -1)
+                view[list(block_ids)] = torch.from_numpy(
+                    expected_blocks(self.spec, p.tp_rank, p.tp_size, region, seed, np.arange(len(block_ids))))
+            p.expose(request_id, block_ids, lease=lease)
+
+
+def make_spec(kv_heads: int = 4, mla: bool = False, **kw: object) -> akv.KVSpec:
+    fields: dict[str, object] = dict(layers=2, num_blocks=32, block_size=4, kv_heads=1 if mla else kv_heads,
+                                     head_dim=8, dtype="float16", kind="mla" if mla else "dense")
+    fields.update(kw)
+    return akv.KVSpec.create(**fields)
+
+
+@asynccontextmanager
+async def prefill_engine(spec: akv.KVSpec, tp_size: int, *, secret: str | None = None, lease: float = 30.0,
+                         engine_id: str = "prefill") -> AsyncIterator[Engine]:
+    async with AsyncExitStack() as stack:
+        server = akv.ControlServer(secret=secret)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        await tg.start(server.serve)
+        engine = Engine(spec, [], server)
+        for r in range(tp_size):
+            kv = akv.allocate_kv_cache(spec, r, tp_size)
+            engine.producers.append(await stack.enter_async_context(akv.Producer(
+                kv, spec, tp_rank=r, tp_size=tp_size, server=server, lease=lease, engine_id=engine_id,
+                on_release=engine.releases.append)))
+        try:
+            yield engine
+        finally:
+            tg.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def decode_engine(spec: akv.KVSpec, tp_size: int, **kw: object) -> AsyncIterator[list[akv.Consumer]]:
+    async with AsyncExitStack() as stack:
+        consumers = [await stack.enter_async_context(akv.Consumer(
+            akv.allocate_kv_cache(spec, d, tp_size), spec, tp_rank=d, tp_size=tp_size, **kw))  # type: ignore[arg-type]
+            for d in range(tp_size)]
+        yield consumers
+
+
+def verify(consumer: akv.Consumer, local: Sequence[int], seed: int, positions: Sequence[int]) -> bool:
+    spec = consumer.spec
+    for region, t in enumerate(consumer.kv_caches):
+        got = t.view(torch.uint8).view(spec.num_blocks, -1)[list(local)].numpy()
+        want = expected_blocks(spec, consumer.tp_rank, consumer.tp_size, region, seed, np.asarray(positions))
+        if not np.array_equal(got, want):
+            return False
+    return True
+
+
+async def wait_for(predicate: object, timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():  # type: ignore[operator]
+            await anyio.sleep(0.005)

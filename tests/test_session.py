@@ -1,0 +1,189 @@
+"""In-process behaviour of sessions, producers and pollers with real NIXL agents (UCX loopback)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import akv
+from tests.conftest import decode_engine, make_spec, prefill_engine, verify, wait_for
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_concurrent_pulls_verify_and_release_once() -> None:
+    """Twenty concurrent pulls over P=2 -> D=2 all verify; each rank releases each request once, by read."""
+    spec = make_spec(kv_heads=4, num_blocks=128)
+    async with prefill_engine(spec, 2) as engine, decode_engine(spec, 2) as consumers:
+        sessions = [await c.connect(engine.endpoint) for c in consumers]
+        reqs = [(f"r{i}", list(range(i * 4, i * 4 + 4)), list(range(127 - i * 4, 123 - i * 4, -1)))
+                for i in range(20)]
+        for rid, remote, _ in reqs:
+            engine.fill(rid, remote, seed=hash(rid) & 0xFFF)
+        transfers = [await s.pull(akv.PullRequest(request_id=rid, local_block_ids=local, remote_block_ids=remote))
+                     for rid, remote, local in reqs for s in sessions]
+        results = [await t for t in transfers]
+        assert all(r.bytes > 0 and r.reads == 1 for r in results)
+        for rid, _, local in reqs:
+            for c in consumers:
+                assert verify(c, local, hash(rid) & 0xFFF, range(4))
+        await wait_for(lambda: len(engine.releases) == 40)
+        assert sorted((r.request_id, r.reason) for r in engine.releases) == sorted(
+            (rid, "read") for rid, _, _ in reqs for _ in range(2))
+        snap = consumers[0].metrics.snapshot()
+        assert snap.counters["transfers"] == 20 and snap.transfers.count == 20
+        assert not consumers[0].backend._xfers  # every NIXL handle released
+
+
+async def test_cancelled_waiter_leaves_no_dangling_transfer() -> None:
+    """Cancelling the task awaiting a pull only stops the wait; the read completes and is released."""
+    spec = make_spec(num_blocks=64, layers=4, block_size=16, head_dim=64)
+    async with prefill_engine(spec, 1) as engine, decode_engine(spec, 1) as (consumer,):
+        session = await consumer.connect(engine.endpoint)
+        engine.fill("r", list(range(32)), seed=3)
+        transfer = await session.pull("r", list(range(32, 64)), list(range(32)))
+        with anyio.move_on_after(0):
+            await transfer
+        result = await transfer  # still completes
+        assert transfer.done() and result.bytes == 32 * spec.block_bytes(0, 1) * spec.num_regions
+        assert verify(consumer, list(range(32, 64)), 3, range(32))
+        assert not consumer.backend._xfers and not consumer._inflight
+        await wait_for(lambda: [r.reason for r in engine.releases] == ["read"])
+
+
+async def test_partial_prefix_hit_and_full_hit() -> None:
+    """A prefix hit reads only the tail; a full hit reads nothing but still lets prefill release."""
+    spec = make_spec(kv_heads=2)
+    async with prefill_engine(spec, 2) as engine, decode_engine(spec, 1) as (consumer,):
+        session = await consumer.connect(engine.endpoint)
+        engine.fill("tail", [4, 5, 6, 7], seed=9)
+        res = await (await session.pull("tail", [20, 21], [4, 5, 6, 7]))
+        assert res.bytes == 2 * spec.block_bytes(0, 1) * spec.num_regions
+        assert verify(consumer, [20, 21], 9, [2, 3])
+        engine.fill("hit", [8, 9], seed=1)
+        res = await (await session.pull("hit", [], [8, 9]))
+        assert res.bytes == 0 and res.reads == 0
+        await wait_for(lambda: len(engine.releases) == 4)
+        assert {r.reason for r in engine.releases} == {"read"}
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "match"),
+    [([0, 99], [1, 2], "outside"), ([-3], [1], "outside"), ([1, 1], [2, 3], "duplicate"),
+     ([1, 2, 3], [4, 5], "3 local blocks")],
+)
+async def test_bad_block_ids_fail_the_request_only(local: list[int], remote: list[int], match: str) -> None:
+    """Bad block ids raise BlockIdError from pull; the session keeps serving good requests."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine, decode_engine(spec, 1) as (consumer,):
+        session = await consumer.connect(engine.endpoint)
+        with pytest.raises(akv.BlockIdError, match=match):
+            await session.pull("bad", local, remote)
+        engine.fill("good", [1, 2], seed=5)
+        await (await session.pull("good", [3, 4], [1, 2]))
+        assert verify(consumer, [3, 4], 5, [0, 1])
+
+
+async def test_lease_expiry_releases_once_and_late_notice_is_counted() -> None:
+    """An unread request is released by lease exactly once; a later 'done' is counted as unknown."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1, lease=0.2) as engine, decode_engine(spec, 1) as (consumer,):
+        stream = engine.producers[0].releases()
+        engine.fill("slow", [1, 2], seed=1)
+        await wait_for(lambda: engine.releases)
+        assert [(r.request_id, r.reason) for r in engine.releases] == [("slow", "expired")]
+        rel = await stream.receive()
+        assert rel.reason == "expired" and list(rel.block_ids) == [1, 2]
+        session = await consumer.connect(engine.endpoint)
+        await (await session.pull("slow", [3, 4], [1, 2]))
+        prod = engine.producers[0]
+        await wait_for(lambda: prod.metrics.counters["notifications_unknown"] == 1)
+        assert len(engine.releases) == 1 and prod.metrics.counters["released_expired"] == 1
+
+
+async def test_heartbeat_keeps_a_request_past_its_lease() -> None:
+    """A request heartbeated by decode outlives its lease, then is released by read."""
+    spec = make_spec()
+    async with prefill_engine(spec, 2, lease=0.3) as engine, decode_engine(spec, 1) as (consumer,):
+        session = await consumer.connect(engine.endpoint)
+        engine.fill("kept", [1, 2], seed=2)
+        for _ in range(8):
+            await session.heartbeat(["kept"])
+            await anyio.sleep(0.1)
+        assert engine.releases == []
+        await (await session.pull("kept", [5, 6], [1, 2]))
+        await wait_for(lambda: len(engine.releases) == 2)
+        assert {r.reason for r in engine.releases} == {"read"}
+        assert verify(consumer, [5, 6], 2, [0, 1])
+
+
+async def test_concurrent_connects_share_one_handshake() -> None:
+    """Concurrent connect() calls to one endpoint share one handshake and one session."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine, decode_engine(spec, 1) as (consumer,):
+        sessions: list[akv.TransferSession] = []
+
+        async def go() -> None:
+            sessions.append(await consumer.connect(engine.endpoint))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(go)
+        assert len({id(s) for s in sessions}) == 1
+        assert consumer.metrics.counters["handshakes"] == 1
+
+
+async def test_secret_required_and_checked() -> None:
+    """Wrong or missing secrets get AuthenticationError; the right one works; no metadata leaks."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1, secret="s3cret") as engine:
+        for secret in (None, "wrong"):
+            async with decode_engine(spec, 1, secret=secret, retries=0) as (consumer,):
+                with pytest.raises(akv.AuthenticationError):
+                    await consumer.connect(engine.endpoint)
+        assert engine.producers[0].metrics.counters["auth_failures"] == 1
+        async with decode_engine(spec, 1, secret="s3cret") as (consumer,):
+            engine.fill("r", [1], seed=4)
+            session = await consumer.connect(engine.endpoint)
+            await (await session.pull("r", [2], [1]))
+            assert verify(consumer, [2], 4, [0])
+
+
+async def test_incompatible_peer_names_fields_and_server_keeps_serving() -> None:
+    """A decode engine with another model shape is refused naming the fields; others still connect."""
+    spec = make_spec(block_size=4)
+    other = make_spec(block_size=8, head_dim=16)
+    async with prefill_engine(spec, 1) as engine:
+        async with decode_engine(other, 1, retries=0) as (consumer,):
+            with pytest.raises(akv.IncompatiblePeerError) as info:
+                await consumer.connect(engine.endpoint)
+            assert set(info.value.fields) == {"block_size", "head_dim"}
+        async with decode_engine(spec, 1) as (consumer,):
+            assert await consumer.connect(engine.endpoint)
+
+
+async def test_expose_rejects_bad_input() -> None:
+    """expose() raises typed errors for bad block ids and repeated request ids; extend() for unknown ids."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine:
+        prod = engine.producers[0]
+        with pytest.raises(akv.BlockIdError):
+            prod.expose("x", [0, spec.num_blocks])
+        prod.expose("x", [0, 1])
+        with pytest.raises(akv.ConfigError, match="already exposed"):
+            prod.expose("x", [2])
+        with pytest.raises(akv.UnknownRequestError):
+            prod.extend("nope")
+        assert prod.pending == 1
+
+
+async def test_unreachable_endpoint_is_a_handshake_error() -> None:
+    """Connecting to a port nobody listens on fails with HandshakeError after the retries."""
+    spec = make_spec()
+    with anyio.fail_after(10):
+        async with decode_engine(spec, 1, retries=1, connect_timeout=1.0) as (consumer,):
+            listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+            port = listener.extra(anyio.abc.SocketAttribute.local_port)
+            await listener.aclose()
+            with pytest.raises(akv.HandshakeError, match="cannot reach"):
+                await consumer.connect(f"127.0.0.1:{port}")
