@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import anyio
+import anyio.lowlevel
 
 __all__ = ["Backoff"]
 
@@ -15,7 +16,9 @@ class Backoff:
     ``wake()`` (called when new work arrives) ends a sleep early.
     """
 
-    def __init__(self, *, spin_s: float = 0.002, max_sleep_s: float = 0.002, idle_sleep_s: float = 0.05) -> None:
+    def __init__(
+        self, *, spin_s: float = 0.002, max_sleep_s: float = 0.002, idle_sleep_s: float = 0.05
+    ) -> None:
         self.spin_s = spin_s
         self.max_sleep_s = max_sleep_s
         self.idle_sleep_s = idle_sleep_s
@@ -37,7 +40,7 @@ class Backoff:
         """Wait before the next poll; ``busy`` means work is pending, ``limit`` caps the sleep."""
         now = time.monotonic()
         if busy and now - self._last < self.spin_s:
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             return
         if busy:
             self._delay = min(self.max_sleep_s, max(self._delay * 2, 0.0005))

@@ -8,6 +8,7 @@ session's business. Close order: transfers, descriptor lists, remote agents, reg
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -114,10 +115,8 @@ class NixlBackend:
         """Forget a remote agent (and disconnect from it). Idempotent."""
         if name in self._remotes:
             self._remotes.discard(name)
-            try:
+            with contextlib.suppress(Exception):  # already gone: nothing else to undo
                 self._agent.remove_remote_agent(name)
-            except Exception:
-                pass  # already gone: nothing else to undo
 
     # -- descriptor lists ---------------------------------------------------------------
 
@@ -135,7 +134,9 @@ class NixlBackend:
             if self._strided is False:
                 handle = self._agent.prep_xfer_dlist(agent, expand_table(table), mem_type)
         except Exception as exc:
-            raise BackendError(f"preparing descriptors for {agent or 'local'} failed: {_describe(exc)}") from exc
+            raise BackendError(
+                f"preparing descriptors for {agent or 'local'} failed: {_describe(exc)}"
+            ) from exc
         self._dlists.append(handle)
         return handle
 
@@ -154,10 +155,8 @@ class NixlBackend:
         """Release a prepared list. Idempotent."""
         if handle in self._dlists:
             self._dlists.remove(handle)
-            try:
+            with contextlib.suppress(Exception):  # already gone: nothing else to undo
                 self._agent.release_dlist_handle(handle)
-            except Exception:
-                pass
 
     # -- transfers ----------------------------------------------------------------------
 
@@ -248,8 +247,6 @@ class NixlBackend:
         for name in list(self._remotes):
             self.remove_remote(name)
         for reg in self._registrations:
-            try:
+            with contextlib.suppress(Exception):  # already gone: nothing else to undo
                 self._agent.deregister_memory(reg)
-            except Exception:
-                pass
         self._registrations.clear()

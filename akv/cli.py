@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import secrets
-import subprocess
 import sys
 import time
 import uuid
@@ -22,13 +21,13 @@ from typing import Any
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-import anyio  # noqa: E402
-import numpy as np  # noqa: E402
+import anyio
+import numpy as np
 
-from akv import tp  # noqa: E402
-from akv._log import configure_cli_logging  # noqa: E402
-from akv.errors import AkvError  # noqa: E402
-from akv.spec import KVSpec  # noqa: E402
+from akv import tp
+from akv._log import configure_cli_logging
+from akv.errors import AkvError
+from akv.spec import KVSpec
 
 __all__ = ["build_parser", "main"]
 
@@ -65,16 +64,35 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def spec_from_args(a: argparse.Namespace) -> KVSpec:
     return KVSpec.create(
-        layers=a.layers, num_blocks=a.blocks, block_size=a.block_size,
-        kv_heads=1 if a.mla else a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
-        kind="mla" if a.mla else "dense", layout=a.layout, joint_kv=a.joint_kv,
+        layers=a.layers,
+        num_blocks=a.blocks,
+        block_size=a.block_size,
+        kv_heads=1 if a.mla else a.kv_heads,
+        head_dim=a.head_dim,
+        dtype=a.dtype,
+        kind="mla" if a.mla else "dense",
+        layout=a.layout,
+        joint_kv=a.joint_kv,
     )
 
 
 def model_argv(a: argparse.Namespace) -> list[str]:
-    argv = ["--kv-heads", str(a.kv_heads), "--layers", str(a.layers), "--blocks", str(a.blocks),
-            "--block-size", str(a.block_size), "--head-dim", str(a.head_dim), "--dtype", a.dtype,
-            "--layout", a.layout]
+    argv = [
+        "--kv-heads",
+        str(a.kv_heads),
+        "--layers",
+        str(a.layers),
+        "--blocks",
+        str(a.blocks),
+        "--block-size",
+        str(a.block_size),
+        "--head-dim",
+        str(a.head_dim),
+        "--dtype",
+        a.dtype,
+        "--layout",
+        a.layout,
+    ]
     if a.mla:
         argv.append("--mla")
     if a.joint_kv:
@@ -91,21 +109,42 @@ def _heads(r: range) -> str:
 
 def cmd_plan(a: argparse.Namespace) -> int:
     P, D, H, mla = a.prefill_tp, a.decode_tp, a.kv_heads, a.mla
-    kw = dict(decode_tp=D, prefill_tp=P, kv_heads=H, mla=mla)
     ranks = []
     for d in range(D):
-        plan = tp.plan_reads(decode_rank=d, request_key=a.request_key, **kw)  # type: ignore[arg-type]
+        plan = tp.plan_reads(
+            decode_rank=d, decode_tp=D, prefill_tp=P, kv_heads=H, mla=mla, request_key=a.request_key
+        )
         ranks.append((d, plan))
-    expected = [tp.expected_notifications(prefill_rank=p, prefill_tp=P, decode_tp=D, kv_heads=H, mla=mla)
-                for p in range(P)]
+    expected = [
+        tp.expected_notifications(prefill_rank=p, prefill_tp=P, decode_tp=D, kv_heads=H, mla=mla)
+        for p in range(P)
+    ]
     if a.json:
-        emit({"prefill_tp": P, "decode_tp": D, "kv_heads": H, "mla": mla, "request_key": a.request_key,
-              "decode": [{"rank": d, "reads": [{"remote_rank": r.remote_rank,
-                                                 "local_heads": [r.local_heads.start, r.local_heads.stop],
-                                                 "remote_heads": [r.remote_heads.start, r.remote_heads.stop]}
-                                                for r in plan.reads], "notify": list(plan.notify)}
-                         for d, plan in ranks],
-              "expected_notifications": expected})
+        emit(
+            {
+                "prefill_tp": P,
+                "decode_tp": D,
+                "kv_heads": H,
+                "mla": mla,
+                "request_key": a.request_key,
+                "decode": [
+                    {
+                        "rank": d,
+                        "reads": [
+                            {
+                                "remote_rank": r.remote_rank,
+                                "local_heads": [r.local_heads.start, r.local_heads.stop],
+                                "remote_heads": [r.remote_heads.start, r.remote_heads.stop],
+                            }
+                            for r in plan.reads
+                        ],
+                        "notify": list(plan.notify),
+                    }
+                    for d, plan in ranks
+                ],
+                "expected_notifications": expected,
+            }
+        )
         return EXIT_OK
     kind = "MLA (latent cache replicated on every rank)" if mla else f"{H} KV heads"
     print(f"prefill TP {P} -> decode TP {D}, {kind}, request key {a.request_key}")
@@ -122,11 +161,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
             else:
                 g = tp.held_heads(r.remote_rank, P, H)
                 glob = range(g.start + r.remote_heads.start, g.start + r.remote_heads.stop)
-                print(f"  reads global head{'s' if len(glob) > 1 else ''} {_heads(glob)} from prefill rank {r.remote_rank} "
-                      f"(its heads {_heads(r.remote_heads)}) into local heads {_heads(r.local_heads)}")
+                print(
+                    f"  reads global head{'s' if len(glob) > 1 else ''} {_heads(glob)} from prefill rank {r.remote_rank} "
+                    f"(its heads {_heads(r.remote_heads)}) into local heads {_heads(r.local_heads)}"
+                )
         print(f"  notifies prefill ranks {', '.join(map(str, plan.notify))}")
-    print("notifications each prefill rank expects per request: "
-          + ", ".join(f"rank {p}: {n}" for p, n in enumerate(expected)))
+    print(
+        "notifications each prefill rank expects per request: "
+        + ", ".join(f"rank {p}: {n}" for p, n in enumerate(expected))
+    )
     return EXIT_OK
 
 
@@ -139,14 +182,24 @@ def make_requests(spec: KVSpec, count: int, per_request: int, seed: int) -> list
     from akv.wire import RequestInfo
 
     if count * per_request > spec.num_blocks:
-        raise ConfigError(f"{count} requests x {per_request} blocks exceed the {spec.num_blocks}-block pool: "
-                          "raise --blocks or lower --requests/--blocks-per-request")
+        raise ConfigError(
+            f"{count} requests x {per_request} blocks exceed the {spec.num_blocks}-block pool: "
+            "raise --blocks or lower --requests/--blocks-per-request"
+        )
     order = np.random.default_rng(seed).permutation(spec.num_blocks)
-    return [RequestInfo(request_id=f"req-{seed}-{i}", block_ids=order[i * per_request:(i + 1) * per_request].tolist(),
-                        seed=i + 1) for i in range(count)]
+    return [
+        RequestInfo(
+            request_id=f"req-{seed}-{i}",
+            block_ids=order[i * per_request : (i + 1) * per_request].tolist(),
+            seed=i + 1,
+        )
+        for i in range(count)
+    ]
 
 
-def fill_request(kv: Sequence[Any], spec: KVSpec, rank: int, size: int, block_ids: Sequence[int], seed: int) -> None:
+def fill_request(
+    kv: Sequence[Any], spec: KVSpec, rank: int, size: int, block_ids: Sequence[int], seed: int
+) -> None:
     import torch
 
     from akv.fill import expected_blocks
@@ -154,10 +207,14 @@ def fill_request(kv: Sequence[Any], spec: KVSpec, rank: int, size: int, block_id
     idx = torch.as_tensor(list(block_ids))
     for region, t in enumerate(kv):
         view = t.view(torch.uint8).view(spec.num_blocks, -1)
-        view[idx] = torch.from_numpy(expected_blocks(spec, rank, size, region, seed, np.arange(len(block_ids))))
+        view[idx] = torch.from_numpy(
+            expected_blocks(spec, rank, size, region, seed, np.arange(len(block_ids)))
+        )
 
 
-async def run_prefill(a: argparse.Namespace, on_ready: Callable[[dict[str, Any]], None] = emit) -> dict[str, Any]:
+async def run_prefill(
+    a: argparse.Namespace, on_ready: Callable[[dict[str, Any]], None] = emit
+) -> dict[str, Any]:
     from akv.control import ControlServer
     from akv.producer import Producer, Release
     from akv.tensors import allocate_kv_cache
@@ -169,8 +226,9 @@ async def run_prefill(a: argparse.Namespace, on_ready: Callable[[dict[str, Any]]
     def on_release(rel: Release) -> None:
         per_request[rel.request_id].append(rel.reason)
 
-    server = ControlServer(host=a.host, port=a.port, secret=a.secret, allow_insecure=a.allow_insecure,
-                           directory=lambda: requests)
+    server = ControlServer(
+        host=a.host, port=a.port, secret=a.secret, allow_insecure=a.allow_insecure, directory=lambda: requests
+    )
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
         endpoint = await tg.start(server.serve)
@@ -180,17 +238,35 @@ async def run_prefill(a: argparse.Namespace, on_ready: Callable[[dict[str, Any]]
                 kv = allocate_kv_cache(spec, rank, a.tp_size)
                 for req in requests:
                     fill_request(kv, spec, rank, a.tp_size, req.block_ids, req.seed)
-                producers.append(await stack.enter_async_context(Producer(
-                    kv, spec, tp_rank=rank, tp_size=a.tp_size, engine_id=a.engine_id, server=server,
-                    lease=a.lease, on_release=on_release)))
+                producers.append(
+                    await stack.enter_async_context(
+                        Producer(
+                            kv,
+                            spec,
+                            tp_rank=rank,
+                            tp_size=a.tp_size,
+                            engine_id=a.engine_id,
+                            server=server,
+                            lease=a.lease,
+                            on_release=on_release,
+                        )
+                    )
+                )
             for prod in producers:
                 for req in requests:
                     prod.expose(req.request_id, req.block_ids)
-            on_ready({"event": "ready", "endpoint": str(endpoint), "tp_size": a.tp_size,
-                      "requests": len(requests), "pid": os.getpid()})
+            on_ready(
+                {
+                    "event": "ready",
+                    "endpoint": str(endpoint),
+                    "tp_size": a.tp_size,
+                    "requests": len(requests),
+                    "pid": os.getpid(),
+                }
+            )
             with anyio.move_on_after(a.timeout if a.timeout > 0 else math.inf):
-                while any(p.pending for p in producers):
-                    await anyio.sleep(0.01)
+                for prod in producers:
+                    await prod.wait_released()
             counters: dict[str, int] = {}
             for prod in producers:
                 for k, v in prod.metrics.snapshot().counters.items():
@@ -199,18 +275,29 @@ async def run_prefill(a: argparse.Namespace, on_ready: Callable[[dict[str, Any]]
     reasons = list(per_request.values())
     released = sum(1 for r in reasons if len(r) == a.tp_size and all(x == "read" for x in r))
     expired = sum(1 for r in reasons if "expired" in r)
-    return {"event": "summary", "role": "prefill", "requests": len(requests), "released": released,
-            "expired": expired, "unreleased": sum(1 for r in reasons if len(r) < a.tp_size),
-            "tp_size": a.tp_size, "seconds": round(time.monotonic() - started, 3),
-            "notifications_unknown": counters.get("notifications_unknown", 0),
-            "notifications_invalid": counters.get("notifications_invalid", 0),
-            "auth_failures": counters.get("auth_failures", 0)}
+    return {
+        "event": "summary",
+        "role": "prefill",
+        "requests": len(requests),
+        "released": released,
+        "expired": expired,
+        "unreleased": sum(1 for r in reasons if len(r) < a.tp_size),
+        "tp_size": a.tp_size,
+        "seconds": round(time.monotonic() - started, 3),
+        "notifications_unknown": counters.get("notifications_unknown", 0),
+        "notifications_invalid": counters.get("notifications_invalid", 0),
+        "auth_failures": counters.get("auth_failures", 0),
+    }
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
     summary = anyio.run(run_prefill, a)
-    _report(a, summary, f"prefill: {summary['released']}/{summary['requests']} requests released by read, "
-                        f"{summary['expired']} expired")
+    _report(
+        a,
+        summary,
+        f"prefill: {summary['released']}/{summary['requests']} requests released by read, "
+        f"{summary['expired']} expired",
+    )
     if summary["released"] == summary["requests"]:
         return EXIT_OK
     return EXIT_EXPIRED if summary["expired"] else EXIT_FAILED
@@ -250,14 +337,27 @@ async def fetch_requests(endpoint: str, spec: KVSpec, secret: str | None, engine
     from akv.control import client_handshake, parse_endpoint, resolve_secret
     from akv.wire import Hello
 
-    hello = Hello(engine_id=engine_id, tp_rank=0, tp_size=1, spec=spec, compat=spec.compat_hash(),
-                  nonce=secrets.token_bytes(16))
-    result = await client_handshake(parse_endpoint(endpoint), hello, secret=resolve_secret(secret),
-                                    choose_ranks=lambda ch: [], list_requests=True)
+    hello = Hello(
+        engine_id=engine_id,
+        tp_rank=0,
+        tp_size=1,
+        spec=spec,
+        compat=spec.compat_hash(),
+        nonce=secrets.token_bytes(16),
+    )
+    result = await client_handshake(
+        parse_endpoint(endpoint),
+        hello,
+        secret=resolve_secret(secret),
+        choose_ranks=lambda ch: [],
+        list_requests=True,
+    )
     return list(result.requests or [])
 
 
-async def run_decode(a: argparse.Namespace, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+async def run_decode(
+    a: argparse.Namespace, progress: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
     import torch
 
     from akv.consumer import Consumer, PullRequest
@@ -272,9 +372,20 @@ async def run_decode(a: argparse.Namespace, progress: Callable[[int, int], None]
     started = time.monotonic()
     async with AsyncExitStack() as stack:
         caches = [allocate_kv_cache(spec, d, a.tp_size) for d in range(a.tp_size)]
-        consumers = [await stack.enter_async_context(Consumer(
-            caches[d], spec, tp_rank=d, tp_size=a.tp_size, engine_id=engine_id, secret=a.secret,
-            transfer_timeout=a.transfer_timeout)) for d in range(a.tp_size)]
+        consumers = [
+            await stack.enter_async_context(
+                Consumer(
+                    caches[d],
+                    spec,
+                    tp_rank=d,
+                    tp_size=a.tp_size,
+                    engine_id=engine_id,
+                    secret=a.secret,
+                    transfer_timeout=a.transfer_timeout,
+                )
+            )
+            for d in range(a.tp_size)
+        ]
         sessions = [await c.connect(a.connect) for c in consumers]
         allocator = BlockAllocator(spec.num_blocks, seed=a.seed)
         limiter = anyio.CapacityLimiter(max(1, a.concurrency))
@@ -295,8 +406,9 @@ async def run_decode(a: argparse.Namespace, progress: Callable[[int, int], None]
             async with limiter:
                 local = await allocator.alloc(n - hit)
                 try:
-                    pr = PullRequest(request_id=req.request_id, local_block_ids=local,
-                                     remote_block_ids=req.block_ids)
+                    pr = PullRequest(
+                        request_id=req.request_id, local_block_ids=local, remote_block_ids=req.block_ids
+                    )
                     transfers = [await s.pull(pr) for s in sessions]
                     ok = True
                     for d, t in enumerate(transfers):
@@ -324,10 +436,18 @@ async def run_decode(a: argparse.Namespace, progress: Callable[[int, int], None]
             for i, req in enumerate(requests):
                 tg.start_soon(one, i, req)
     seconds = time.monotonic() - started
-    return {"event": "summary", "role": "decode", "requests": len(requests), "verified": stats["verified"],
-            "failed": stats["failed"], "bytes": stats["bytes"], "seconds": round(seconds, 3),
-            "gbps": round(stats["bytes"] / seconds / 1e9, 3) if seconds > 0 else 0.0,
-            "tp_size": a.tp_size, "errors": errors[:10]}
+    return {
+        "event": "summary",
+        "role": "decode",
+        "requests": len(requests),
+        "verified": stats["verified"],
+        "failed": stats["failed"],
+        "bytes": stats["bytes"],
+        "seconds": round(seconds, 3),
+        "gbps": round(stats["bytes"] / seconds / 1e9, 3) if seconds > 0 else 0.0,
+        "tp_size": a.tp_size,
+        "errors": errors[:10],
+    }
 
 
 def cmd_decode(a: argparse.Namespace) -> int:
@@ -338,12 +458,24 @@ def cmd_decode(a: argparse.Namespace) -> int:
     try:
         summary = anyio.run(run_decode, a, progress)
     except AkvError as exc:
-        summary = {"event": "summary", "role": "decode", "requests": 0, "verified": 0, "failed": 0,
-                   "bytes": 0, "seconds": 0.0, "error": f"{type(exc).__name__}: {exc}"}
+        summary = {
+            "event": "summary",
+            "role": "decode",
+            "requests": 0,
+            "verified": 0,
+            "failed": 0,
+            "bytes": 0,
+            "seconds": 0.0,
+            "error": f"{type(exc).__name__}: {exc}",
+        }
         _report(a, summary, f"decode failed: {type(exc).__name__}: {exc}")
         return EXIT_FAILED
-    _report(a, summary, f"decode: {summary['verified']}/{summary['requests']} requests verified, "
-                        f"{summary['bytes'] / 1e6:.1f} MB in {summary['seconds']:.2f}s")
+    _report(
+        a,
+        summary,
+        f"decode: {summary['verified']}/{summary['requests']} requests verified, "
+        f"{summary['bytes'] / 1e6:.1f} MB in {summary['seconds']:.2f}s",
+    )
     ok = summary["verified"] == summary["requests"] and not summary["failed"]
     return EXIT_OK if ok else EXIT_FAILED
 
@@ -386,9 +518,24 @@ async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
     env["NIXL_LOG_LEVEL"] = env.get("NIXL_LOG_LEVEL", "WARN")
     py = [sys.executable, "-m", "akv"]
     model = model_argv(a)
-    prefill_cmd = [*py, "prefill", "--tp-size", str(a.prefill_tp), "--requests", str(a.requests),
-                   "--blocks-per-request", str(a.blocks_per_request), "--port", "0", "--lease", str(a.lease),
-                   "--timeout", str(a.timeout), "--json", *model]
+    prefill_cmd = [
+        *py,
+        "prefill",
+        "--tp-size",
+        str(a.prefill_tp),
+        "--requests",
+        str(a.requests),
+        "--blocks-per-request",
+        str(a.blocks_per_request),
+        "--port",
+        "0",
+        "--lease",
+        str(a.lease),
+        "--timeout",
+        str(a.timeout),
+        "--json",
+        *model,
+    ]
     bar = _Progress(sys.stderr.isatty() and not a.json)
     started = time.monotonic()
     prefill_summary: dict[str, Any] = {}
@@ -406,8 +553,18 @@ async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
             if endpoint is None:
                 await prefill.wait()
                 return {"event": "summary", "error": "prefill exited before it was ready"}, EXIT_FAILED
-            decode_cmd = [*py, "decode", "--connect", endpoint, "--tp-size", str(a.decode_tp), "--json",
-                          "--concurrency", str(a.concurrency), *model]
+            decode_cmd = [
+                *py,
+                "decode",
+                "--connect",
+                endpoint,
+                "--tp-size",
+                str(a.decode_tp),
+                "--json",
+                "--concurrency",
+                str(a.concurrency),
+                *model,
+            ]
             async with await anyio.open_process(decode_cmd, env=env, stderr=None) as decode:
                 async for line in _lines(decode.stdout):
                     msg = json.loads(line)
@@ -429,17 +586,29 @@ async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
     seconds = time.monotonic() - started
     summary = {
         "event": "summary",
-        "prefill_tp": a.prefill_tp, "decode_tp": a.decode_tp, "kv_heads": a.kv_heads, "mla": a.mla,
-        "requests": decode_summary.get("requests", 0), "verified": decode_summary.get("verified", 0),
-        "failed": decode_summary.get("failed", 0), "released": prefill_summary.get("released", 0),
-        "expired": prefill_summary.get("expired", 0), "bytes": decode_summary.get("bytes", 0),
-        "seconds": round(seconds, 3), "transfer_seconds": decode_summary.get("seconds", 0.0),
+        "prefill_tp": a.prefill_tp,
+        "decode_tp": a.decode_tp,
+        "kv_heads": a.kv_heads,
+        "mla": a.mla,
+        "requests": decode_summary.get("requests", 0),
+        "verified": decode_summary.get("verified", 0),
+        "failed": decode_summary.get("failed", 0),
+        "released": prefill_summary.get("released", 0),
+        "expired": prefill_summary.get("expired", 0),
+        "bytes": decode_summary.get("bytes", 0),
+        "seconds": round(seconds, 3),
+        "transfer_seconds": decode_summary.get("seconds", 0.0),
         "exit_codes": codes,
     }
     if decode_summary.get("error") or decode_summary.get("errors"):
         summary["errors"] = decode_summary.get("errors") or [decode_summary.get("error")]
-    ok = (summary["requests"] == a.requests and summary["verified"] == a.requests and not summary["failed"]
-          and summary["released"] == a.requests and not summary["expired"])
+    ok = (
+        summary["requests"] == a.requests
+        and summary["verified"] == a.requests
+        and not summary["failed"]
+        and summary["released"] == a.requests
+        and not summary["expired"]
+    )
     return summary, EXIT_OK if ok else EXIT_FAILED
 
 
@@ -451,11 +620,15 @@ def cmd_demo(a: argparse.Namespace) -> int:
         kind = "MLA" if a.mla else f"{a.kv_heads} KV heads"
         status = "OK" if code == EXIT_OK else "FAILED"
         print(f"akv demo: prefill TP {a.prefill_tp} -> decode TP {a.decode_tp}, {kind}: {status}")
-        print(f"  {summary.get('verified', 0)}/{summary.get('requests', 0)} requests verified bit-exact, "
-              f"{summary.get('released', 0)} released by read, {summary.get('expired', 0)} expired, "
-              f"{summary.get('failed', 0)} failed")
-        print(f"  {summary.get('bytes', 0) / 1e6:.1f} MB pulled in {summary.get('transfer_seconds', 0):.2f}s "
-              f"(whole run {summary.get('seconds', 0):.2f}s)")
+        print(
+            f"  {summary.get('verified', 0)}/{summary.get('requests', 0)} requests verified bit-exact, "
+            f"{summary.get('released', 0)} released by read, {summary.get('expired', 0)} expired, "
+            f"{summary.get('failed', 0)} failed"
+        )
+        print(
+            f"  {summary.get('bytes', 0) / 1e6:.1f} MB pulled in {summary.get('transfer_seconds', 0):.2f}s "
+            f"(whole run {summary.get('seconds', 0):.2f}s)"
+        )
         for err in summary.get("errors", []) or ([summary["error"]] if "error" in summary else []):
             print(f"  error: {err}")
     return code
@@ -488,8 +661,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=0.0, help="give up after this many seconds (0: never)")
     p.add_argument("--engine-id", default="prefill")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--allow-insecure", action="store_true",
-                   help="serve a non-loopback address without a secret (trusted networks only)")
+    p.add_argument(
+        "--allow-insecure",
+        action="store_true",
+        help="serve a non-loopback address without a secret (trusted networks only)",
+    )
     add_common(p)
     p.set_defaults(func=cmd_prefill)
 

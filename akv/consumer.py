@@ -13,10 +13,10 @@ import anyio
 import msgspec
 import numpy as np
 import numpy.typing as npt
-from akv._log import get_logger
 import torch
 
 from akv import tp
+from akv._log import get_logger
 from akv._poll import Backoff
 from akv.backend import NixlBackend, XferHandle
 from akv.control import Endpoint, HandshakeResult, client_handshake, parse_endpoint, resolve_secret
@@ -71,8 +71,15 @@ class Transfer:
     under the consumer's poller, which releases every NIXL handle.
     """
 
-    def __init__(self, session: TransferSession, request_id: str, reads: RequestReads,
-                 nbytes: int, descriptors: int, timeout: float) -> None:
+    def __init__(
+        self,
+        session: TransferSession,
+        request_id: str,
+        reads: RequestReads,
+        nbytes: int,
+        descriptors: int,
+        timeout: float,
+    ) -> None:
         self.session = session
         self.request_id = request_id
         self._reads = reads
@@ -115,8 +122,9 @@ class Transfer:
             return
         if error is None:
             seconds = time.monotonic() - self.started
-            self._result = TransferResult(self.request_id, self._bytes, self._descriptors,
-                                          len(self._reads.ops), seconds)
+            self._result = TransferResult(
+                self.request_id, self._bytes, self._descriptors, len(self._reads.ops), seconds
+            )
         else:
             self._error = error
         self._event.set()
@@ -151,18 +159,33 @@ class TransferSession:
 
     async def _handshake(self) -> None:
         c = self.consumer
-        hello = Hello(engine_id=c.engine_id, tp_rank=c.tp_rank, tp_size=c.tp_size, spec=c.spec,
-                      compat=c.spec.compat_hash(), nonce=secrets.token_bytes(16))
+        hello = Hello(
+            engine_id=c.engine_id,
+            tp_rank=c.tp_rank,
+            tp_size=c.tp_size,
+            spec=c.spec,
+            compat=c.spec.compat_hash(),
+            nonce=secrets.token_bytes(16),
+        )
 
         def choose(ch: Challenge) -> list[int]:
-            ranks = tp.notify_ranks(decode_rank=c.tp_rank, decode_tp=c.tp_size, prefill_tp=ch.tp_size,
-                                    kv_heads=c.spec.kv_heads, mla=c.spec.kind == "mla")
+            ranks = tp.notify_ranks(
+                decode_rank=c.tp_rank,
+                decode_tp=c.tp_size,
+                prefill_tp=ch.tp_size,
+                kv_heads=c.spec.kv_heads,
+                mla=c.spec.kind == "mla",
+            )
             return list(ranks)
 
         try:
             result = await client_handshake(
-                self.endpoint, hello, secret=c.secret, choose_ranks=choose,
-                connect_timeout=c.connect_timeout, handshake_timeout=c.handshake_timeout,
+                self.endpoint,
+                hello,
+                secret=c.secret,
+                choose_ranks=choose,
+                connect_timeout=c.connect_timeout,
+                handshake_timeout=c.handshake_timeout,
                 retries=c.retries,
             )
         except AkvError:
@@ -177,8 +200,14 @@ class TransferSession:
             c.metrics.inc("handshakes_failed")
             raise
         c.metrics.inc("handshakes")
-        log.info("handshake done", engine=c.engine_id, rank=c.tp_rank, remote=self.remote_engine_id,
-                 endpoint=str(self.endpoint), prefill_tp=self.prefill_tp)
+        log.info(
+            "handshake done",
+            engine=c.engine_id,
+            rank=c.tp_rank,
+            remote=self.remote_engine_id,
+            endpoint=str(self.endpoint),
+            prefill_tp=self.prefill_tp,
+        )
 
     def _load(self, result: HandshakeResult) -> None:
         c = self.consumer
@@ -186,8 +215,9 @@ class TransferSession:
         self.remote_engine_id = ch.engine_id
         self.prefill_tp = ch.tp_size
         self.lease_s = ch.lease_s
-        remote = {r: RankMemory(r, ch.tp_size, tuple(i.region_addrs), i.device_id)
-                  for r, i in result.ranks.items()}
+        remote = {
+            r: RankMemory(r, ch.tp_size, tuple(i.region_addrs), i.device_id) for r, i in result.ranks.items()
+        }
         plan = TransferPlan(local_spec=c.spec, local=c.memory, remote_spec=ch.spec, remote=remote)
         for rank, info in result.ranks.items():
             self._agents[rank] = c.backend.add_remote(info.agent_metadata)
@@ -221,8 +251,14 @@ class TransferSession:
 
     # -- pulling -------------------------------------------------------------------------
 
-    async def pull(self, request: PullRequest | str, local_block_ids: Sequence[int] | None = None,
-                   remote_block_ids: Sequence[int] | None = None, *, timeout: float | None = None) -> Transfer:
+    async def pull(
+        self,
+        request: PullRequest | str,
+        local_block_ids: Sequence[int] | None = None,
+        remote_block_ids: Sequence[int] | None = None,
+        *,
+        transfer_timeout: float | None = None,
+    ) -> Transfer:
         """Launch the reads of one request and return its awaitable :class:`Transfer`.
 
         Accepts a :class:`PullRequest` or ``(request_id, local_block_ids, remote_block_ids)``.
@@ -232,8 +268,9 @@ class TransferSession:
         if isinstance(request, str):
             if local_block_ids is None or remote_block_ids is None:
                 raise ConfigError("pull(request_id, local_block_ids, remote_block_ids) needs both id lists")
-            request = PullRequest(request_id=request, local_block_ids=local_block_ids,
-                                  remote_block_ids=remote_block_ids)
+            request = PullRequest(
+                request_id=request, local_block_ids=local_block_ids, remote_block_ids=remote_block_ids
+            )
         c = self.consumer
         if self.closed or c.closed:
             raise ClosedError("the session is closed")
@@ -248,22 +285,35 @@ class TransferSession:
         nblocks = int(local.size)
         nbytes = sum(op.bytes_per_block for op in reads.ops) * nblocks
         ndesc = sum(op.segments for op in reads.ops) * nblocks
-        transfer = Transfer(self, request.request_id, reads, nbytes, ndesc,
-                            c.transfer_timeout if timeout is None else timeout)
+        transfer = Transfer(
+            self,
+            request.request_id,
+            reads,
+            nbytes,
+            ndesc,
+            c.transfer_timeout if transfer_timeout is None else transfer_timeout,
+        )
         if nblocks:
             self._post(transfer, reads.ops, local, remote, notice)
         self.transfers.add(transfer)
         c._track(transfer)
         return transfer
 
-    def _post(self, transfer: Transfer, ops: Sequence[ReadOp], local: npt.NDArray[np.int32],
-              remote: npt.NDArray[np.int32], notice: bytes) -> None:
+    def _post(
+        self,
+        transfer: Transfer,
+        ops: Sequence[ReadOp],
+        local: npt.NDArray[np.int32],
+        remote: npt.NDArray[np.int32],
+        notice: bytes,
+    ) -> None:
         backend = self.consumer.backend
         for op in ops:
             lidx, ridx = TransferPlan.indices(op, local, remote)
             try:
-                handle = backend.read(self._dlists[op.local_table], lidx, self._dlists[op.remote_table],
-                                      ridx, notice)
+                handle = backend.read(
+                    self._dlists[op.local_table], lidx, self._dlists[op.remote_table], ridx, notice
+                )
             except TransferError:
                 self.broken = True
                 for posted in list(transfer._handles):
@@ -279,8 +329,9 @@ class TransferSession:
                 self.consumer.backend.notify(self._agents[rank], notice)
                 self.consumer.metrics.inc("notifications_sent")
             except (AkvError, KeyError) as exc:
-                log.warning("notifying a prefill rank failed; it will release by lease",
-                            rank=rank, error=str(exc))
+                log.warning(
+                    "notifying a prefill rank failed; it will release by lease", rank=rank, error=str(exc)
+                )
 
     async def heartbeat(self, request_ids: Sequence[str]) -> None:
         """Extend the prefill leases of requests this rank still intends to pull."""
@@ -460,9 +511,16 @@ class Consumer:
         self._inflight.discard(transfer)
         transfer.session.transfers.discard(transfer)
         if not transfer.done():
-            self.metrics.inc("transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed")
-            log.info("transfer failed", engine=self.engine_id, rank=self.tp_rank,
-                     request=transfer.request_id, error=str(error))
+            self.metrics.inc(
+                "transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed"
+            )
+            log.info(
+                "transfer failed",
+                engine=self.engine_id,
+                rank=self.tp_rank,
+                request=transfer.request_id,
+                error=str(error),
+            )
         transfer._finish(error)
 
     def _complete(self, transfer: Transfer) -> None:
@@ -475,8 +533,9 @@ class Consumer:
         else:
             ranks = session.plan.notify if session.plan else ()
         if ranks:
-            notice = encode_notice(Notice("done", self.engine_id, self.tp_rank, self.tp_size,
-                                          [transfer.request_id]))
+            notice = encode_notice(
+                Notice("done", self.engine_id, self.tp_rank, self.tp_size, [transfer.request_id])
+            )
             session._notify(ranks, notice)
         transfer._finish()
         if transfer._result is not None:
@@ -503,17 +562,22 @@ class Consumer:
             self._complete(transfer)
             return True
         if now > transfer.deadline:
-            self._fail(transfer, TransferTimeout(
-                f"transfer {transfer.request_id!r} from {transfer.session.endpoint} did not finish "
-                f"within {transfer.deadline - transfer.started:.1f}s (hung peer?)"))
+            self._fail(
+                transfer,
+                TransferTimeout(
+                    f"transfer {transfer.request_id!r} from {transfer.session.endpoint} did not finish "
+                    f"within {transfer.deadline - transfer.started:.1f}s (hung peer?)"
+                ),
+            )
             return True
         lease = transfer.session.lease_s
         if lease > 0 and now - transfer.last_heartbeat > lease / 3:
             transfer.last_heartbeat = now
             session = transfer.session
             if session.plan is not None:
-                notice = encode_notice(Notice("extend", self.engine_id, self.tp_rank, self.tp_size,
-                                              [transfer.request_id]))
+                notice = encode_notice(
+                    Notice("extend", self.engine_id, self.tp_rank, self.tp_size, [transfer.request_id])
+                )
                 session._notify(session.plan.notify, notice)
         return changed
 

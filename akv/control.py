@@ -26,10 +26,10 @@ from hashlib import sha256
 from typing import Any, Protocol
 
 import anyio
-from akv._log import get_logger
 from anyio.abc import SocketStream, TaskStatus
 
 from akv import tp
+from akv._log import get_logger
 from akv.errors import (
     AkvError,
     AuthenticationError,

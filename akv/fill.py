@@ -44,12 +44,14 @@ def expected_blocks(
     byte = np.arange(nbytes, dtype=np.int64)
     # Axes: (pos, kv, head, token, byte); NHD swaps head and token.
     key = (
-        ((((seed * 1_000_003 + layer) * 2 + kvs[None, :, None, None, None]) * 4096
-          + heads[None, None, :, None, None]) * 65_536
-         + pos[:, None, None, None, None] * spec.block_size + tokens[None, None, None, :, None])
+        (
+            ((seed * 1_000_003 + layer) * 2 + kvs[None, :, None, None, None]) * 4096
+            + heads[None, None, :, None, None]
+        )
         * 65_536
-        + byte[None, None, None, None, :]
-    )
+        + pos[:, None, None, None, None] * spec.block_size
+        + tokens[None, None, None, :, None]
+    ) * 65_536 + byte[None, None, None, None, :]
     mixed = _mix(key)
     out = mixed.astype(np.uint8)
     if spec.layout == "NHD" and spec.kind == "dense":
@@ -64,4 +66,5 @@ def _mix(key: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
     x ^= x >> np.uint64(29)
     x *= np.uint64(0xBF58476D1CE4E5B9)
     x ^= x >> np.uint64(32)
-    return x >> np.uint64(24)
+    out: npt.NDArray[np.uint64] = x >> np.uint64(24)
+    return out

@@ -62,8 +62,7 @@ def build_table(spec: KVSpec, memory: RankMemory, heads: range | None) -> npt.ND
     """The strided table of one rank for whole blocks (``heads=None``) or a head range."""
     if len(memory.region_addrs) != spec.num_regions:
         raise ConfigError(
-            f"rank {memory.tp_rank} has {len(memory.region_addrs)} regions, "
-            f"spec needs {spec.num_regions}"
+            f"rank {memory.tp_rank} has {len(memory.region_addrs)} regions, spec needs {spec.num_regions}"
         )
     block = spec.block_bytes(memory.tp_rank, memory.tp_size)
     addrs = np.asarray(memory.region_addrs, dtype=np.int64)
@@ -161,8 +160,7 @@ class TransferPlan:
         differ = local_spec.diff(remote_spec)
         if differ:
             detail = ", ".join(
-                f"{f}: local={getattr(local_spec, f)!r} remote={getattr(remote_spec, f)!r}"
-                for f in differ
+                f"{f}: local={getattr(local_spec, f)!r} remote={getattr(remote_spec, f)!r}" for f in differ
             )
             raise IncompatiblePeerError(f"KV specs differ ({detail})", differ)
         self.local_spec = local_spec
@@ -172,21 +170,20 @@ class TransferPlan:
         self.decode_tp = local.tp_size
         self.prefill_tp = next(iter(remote.values())).tp_size if remote else 0
         mla = local_spec.kind == "mla"
-        kw = dict(
-            decode_rank=local.tp_rank,
-            decode_tp=local.tp_size,
-            prefill_tp=self.prefill_tp,
-            kv_heads=local_spec.kv_heads,
-            mla=mla,
+        d, dt, pt, h = local.tp_rank, local.tp_size, self.prefill_tp, local_spec.kv_heads
+        self.notify: tuple[int, ...] = tp.notify_ranks(
+            decode_rank=d, decode_tp=dt, prefill_tp=pt, kv_heads=h, mla=mla
         )
-        self.notify: tuple[int, ...] = tp.notify_ranks(**kw)  # type: ignore[arg-type]
         missing = sorted(set(self.notify) - set(remote))
         if missing:
             raise ConfigError(f"no memory description for prefill ranks {missing}")
-        period = tp.read_period(**kw)  # type: ignore[arg-type]
+        period = tp.read_period(decode_rank=d, decode_tp=dt, prefill_tp=pt, kv_heads=h, mla=mla)
         self.tables: dict[TableKey, npt.NDArray[np.int64]] = {}
         self.variants: tuple[RequestReads, ...] = tuple(
-            self._variant(tp.plan_reads(**kw, request_key=k)) for k in range(period)  # type: ignore[arg-type]
+            self._variant(
+                tp.plan_reads(decode_rank=d, decode_tp=dt, prefill_tp=pt, kv_heads=h, mla=mla, request_key=k)
+            )
+            for k in range(period)
         )
         total = sum(len(t) * int(t[0, 4]) for t in self.tables.values() if len(t))
         if total >= 2**31:

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
 import numpy as np
 import numpy.typing as npt
-from akv._log import get_logger
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from akv import tp
+from akv._log import get_logger
 from akv._poll import Backoff
 from akv.backend import NixlBackend
 from akv.control import ControlServer, Endpoint
@@ -123,6 +124,7 @@ class Producer:
         self._backoff: Backoff | None = None
         self._closed = False
         self._info: RankInfo | None = None
+        self._idle: anyio.Event | None = None
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -193,8 +195,14 @@ class Producer:
     def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int) -> None:
         """Remember a decode engine's TP size (it fixes how many notifications to expect)."""
         self._peers[engine_id] = decode_tp
-        log.info("decode rank connected", engine=self.engine_id, rank=self.tp_rank,
-                 peer=engine_id, decode_rank=decode_rank, decode_tp=decode_tp)
+        log.info(
+            "decode rank connected",
+            engine=self.engine_id,
+            rank=self.tp_rank,
+            peer=engine_id,
+            decode_rank=decode_rank,
+            decode_tp=decode_tp,
+        )
 
     def expected_notifications(self, decode_tp: int) -> int:
         """How many decode ranks of an engine with ``decode_tp`` notify this rank per request."""
@@ -212,7 +220,9 @@ class Producer:
 
     # -- exposing -----------------------------------------------------------------------
 
-    def expose(self, request_id: str, block_ids: Sequence[int] | npt.ArrayLike, *, lease: float | None = None) -> None:
+    def expose(
+        self, request_id: str, block_ids: Sequence[int] | npt.ArrayLike, *, lease: float | None = None
+    ) -> None:
         """Pin a request's blocks until read by every expected decode rank or ``lease`` seconds pass.
 
         Raises :class:`BlockIdError` for bad ids, :class:`ConfigError` for a request id
@@ -259,28 +269,37 @@ class Producer:
     async def wait_released(self) -> None:
         """Return once no request is pending."""
         while self._exposed:
-            await anyio.sleep(0.005)
+            if self._idle is None or self._idle.is_set():
+                self._idle = anyio.Event()
+            await self._idle.wait()
 
     def _release(self, request_id: str, reason: ReleaseReason) -> None:
         exp = self._exposed.pop(request_id, None)
         if exp is None:
             return
+        if not self._exposed and self._idle is not None:
+            self._idle.set()
         expected = self.expected_notifications(exp.decode_tp) if exp.decode_tp else None
         release = Release(request_id, exp.block_ids, reason, len(exp.readers), expected)
         self.metrics.inc(f"released_{reason}")
         if reason != "read":
-            log.info("blocks released", engine=self.engine_id, rank=self.tp_rank,
-                     request=request_id, reason=reason, notified=len(exp.readers), expected=expected)
+            log.info(
+                "blocks released",
+                engine=self.engine_id,
+                rank=self.tp_rank,
+                request=request_id,
+                reason=reason,
+                notified=len(exp.readers),
+                expected=expected,
+            )
         if self.on_release is not None:
             try:
                 self.on_release(release)
             except Exception:
                 log.exception("on_release callback failed", request=request_id)
         for stream in self._streams:
-            try:
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
                 stream.send_nowait(release)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass
 
     # -- polling ------------------------------------------------------------------------
 
@@ -289,17 +308,26 @@ class Producer:
         valid = decode_tp == notice.decode_tp and 0 <= notice.decode_rank < notice.decode_tp
         if valid:
             try:
-                ranks = tp.notify_ranks(decode_rank=notice.decode_rank, decode_tp=notice.decode_tp,
-                                        prefill_tp=self.tp_size, kv_heads=self.spec.kv_heads,
-                                        mla=self.spec.kind == "mla")
+                ranks = tp.notify_ranks(
+                    decode_rank=notice.decode_rank,
+                    decode_tp=notice.decode_tp,
+                    prefill_tp=self.tp_size,
+                    kv_heads=self.spec.kv_heads,
+                    mla=self.spec.kind == "mla",
+                )
             except ConfigError:
                 ranks = ()
             valid = self.tp_rank in ranks
         if not valid:
             self.metrics.inc("notifications_invalid")
-            log.warning("notification from an unexpected decode rank ignored",
-                        engine=self.engine_id, rank=self.tp_rank, peer=notice.engine_id,
-                        decode_rank=notice.decode_rank, decode_tp=notice.decode_tp)
+            log.warning(
+                "notification from an unexpected decode rank ignored",
+                engine=self.engine_id,
+                rank=self.tp_rank,
+                peer=notice.engine_id,
+                decode_rank=notice.decode_rank,
+                decode_tp=notice.decode_tp,
+            )
             return
         for rid in notice.request_ids:
             exp = self._exposed.get(rid)

@@ -85,9 +85,7 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
             if value < 1:
                 raise ConfigError(f"KV spec field {name!r} must be >= 1, got {value}")
         if self.dtype not in DTYPE_SIZES:
-            raise ConfigError(
-                f"unsupported dtype {self.dtype!r}; use one of {sorted(DTYPE_SIZES)}"
-            )
+            raise ConfigError(f"unsupported dtype {self.dtype!r}; use one of {sorted(DTYPE_SIZES)}")
         if self.kind == "mla" and self.joint_kv:
             raise ConfigError("an MLA cache has no separate K and V: set joint_kv=False")
 

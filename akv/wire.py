@@ -138,7 +138,7 @@ class _Probe(msgspec.Struct):
 
 
 _probe = msgspec.msgpack.Decoder(_Probe)
-_decoder = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+_decoder = msgspec.msgpack.Decoder(Message)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -184,7 +184,7 @@ class FrameBuffer:
             end = _HEADER.size + size
             if len(self._buf) < end:
                 break
-            frames.append(bytes(self._buf[_HEADER.size:end]))
+            frames.append(bytes(self._buf[_HEADER.size : end]))
             del self._buf[:end]
         return frames
 
@@ -222,6 +222,6 @@ def decode_notice(data: bytes) -> Notice:
     if not data.startswith(_NOTICE_MAGIC):
         raise ProtocolError("not an akv notification")
     try:
-        return _notice_decoder.decode(data[len(_NOTICE_MAGIC):])
+        return _notice_decoder.decode(data[len(_NOTICE_MAGIC) :])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed akv notification: {exc}") from None

@@ -35,11 +35,29 @@ MODEL = ["--layers", "2", "--blocks", "64", "--block-size", "4", "--head-dim", "
 
 
 @contextmanager
-def prefill_process(tp_size: int, kv_heads: int, *extra: str, requests: int = 6,
-                    env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def prefill_process(
+    tp_size: int, kv_heads: int, *extra: str, requests: int = 6, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """Run ``akv prefill`` in another process; yields (process, endpoint)."""
-    cmd = [sys.executable, "-m", "akv", "prefill", "--tp-size", str(tp_size), "--kv-heads", str(kv_heads),
-           "--requests", str(requests), "--blocks-per-request", "4", "--json", "--timeout", "60", *MODEL, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "akv",
+        "prefill",
+        "--tp-size",
+        str(tp_size),
+        "--kv-heads",
+        str(kv_heads),
+        "--requests",
+        str(requests),
+        "--blocks-per-request",
+        "4",
+        "--json",
+        "--timeout",
+        "60",
+        *MODEL,
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     try:
         assert proc.stdout is not None
@@ -78,20 +96,34 @@ class Engine:
             for region, t in enumerate(p.kv_caches):
                 view = t.view(torch.uint8).view(self.spec.num_blocks, -1)
                 view[list(block_ids)] = torch.from_numpy(
-                    expected_blocks(self.spec, p.tp_rank, p.tp_size, region, seed, np.arange(len(block_ids))))
+                    expected_blocks(self.spec, p.tp_rank, p.tp_size, region, seed, np.arange(len(block_ids)))
+                )
             p.expose(request_id, block_ids, lease=lease)
 
 
 def make_spec(kv_heads: int = 4, mla: bool = False, **kw: object) -> akv.KVSpec:
-    fields: dict[str, object] = dict(layers=2, num_blocks=32, block_size=4, kv_heads=1 if mla else kv_heads,
-                                     head_dim=8, dtype="float16", kind="mla" if mla else "dense")
+    fields: dict[str, object] = dict(
+        layers=2,
+        num_blocks=32,
+        block_size=4,
+        kv_heads=1 if mla else kv_heads,
+        head_dim=8,
+        dtype="float16",
+        kind="mla" if mla else "dense",
+    )
     fields.update(kw)
     return akv.KVSpec.create(**fields)
 
 
 @asynccontextmanager
-async def prefill_engine(spec: akv.KVSpec, tp_size: int, *, secret: str | None = None, lease: float = 30.0,
-                         engine_id: str = "prefill") -> AsyncIterator[Engine]:
+async def prefill_engine(
+    spec: akv.KVSpec,
+    tp_size: int,
+    *,
+    secret: str | None = None,
+    lease: float = 30.0,
+    engine_id: str = "prefill",
+) -> AsyncIterator[Engine]:
     async with AsyncExitStack() as stack:
         server = akv.ControlServer(secret=secret)
         tg = await stack.enter_async_context(anyio.create_task_group())
@@ -99,9 +131,20 @@ async def prefill_engine(spec: akv.KVSpec, tp_size: int, *, secret: str | None =
         engine = Engine(spec, [], server)
         for r in range(tp_size):
             kv = akv.allocate_kv_cache(spec, r, tp_size)
-            engine.producers.append(await stack.enter_async_context(akv.Producer(
-                kv, spec, tp_rank=r, tp_size=tp_size, server=server, lease=lease, engine_id=engine_id,
-                on_release=engine.releases.append)))
+            engine.producers.append(
+                await stack.enter_async_context(
+                    akv.Producer(
+                        kv,
+                        spec,
+                        tp_rank=r,
+                        tp_size=tp_size,
+                        server=server,
+                        lease=lease,
+                        engine_id=engine_id,
+                        on_release=engine.releases.append,
+                    )
+                )
+            )
         try:
             yield engine
         finally:
@@ -111,9 +154,12 @@ async def prefill_engine(spec: akv.KVSpec, tp_size: int, *, secret: str | None =
 @asynccontextmanager
 async def decode_engine(spec: akv.KVSpec, tp_size: int, **kw: object) -> AsyncIterator[list[akv.Consumer]]:
     async with AsyncExitStack() as stack:
-        consumers = [await stack.enter_async_context(akv.Consumer(
-            akv.allocate_kv_cache(spec, d, tp_size), spec, tp_rank=d, tp_size=tp_size, **kw))  # type: ignore[arg-type]
-            for d in range(tp_size)]
+        consumers = [
+            await stack.enter_async_context(
+                akv.Consumer(akv.allocate_kv_cache(spec, d, tp_size), spec, tp_rank=d, tp_size=tp_size, **kw)
+            )  # type: ignore[arg-type]
+            for d in range(tp_size)
+        ]
         yield consumers
 
 
@@ -127,7 +173,7 @@ def verify(consumer: akv.Consumer, local: Sequence[int], seed: int, positions: S
     return True
 
 
-async def wait_for(predicate: object, timeout: float = 5.0) -> None:
+async def wait_for(predicate: object, timeout: float = 5.0) -> None:  # noqa: ASYNC109
     with anyio.fail_after(timeout):
-        while not predicate():  # type: ignore[operator]
+        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110 - a plain predicate
             await anyio.sleep(0.005)

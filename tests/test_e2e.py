@@ -28,7 +28,18 @@ def decode_args(endpoint: str, tp_size: int, kv_heads: int, extra: tuple[str, ..
     from akv.cli import build_parser
 
     return build_parser().parse_args(
-        ["decode", "--connect", endpoint, "--tp-size", str(tp_size), "--kv-heads", str(kv_heads), *MODEL, *extra])
+        [
+            "decode",
+            "--connect",
+            endpoint,
+            "--tp-size",
+            str(tp_size),
+            "--kv-heads",
+            str(kv_heads),
+            *MODEL,
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.parametrize(("p", "d", "h", "extra"), RELATIONS)

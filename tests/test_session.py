@@ -16,12 +16,17 @@ async def test_concurrent_pulls_verify_and_release_once() -> None:
     spec = make_spec(kv_heads=4, num_blocks=128)
     async with prefill_engine(spec, 2) as engine, decode_engine(spec, 2) as consumers:
         sessions = [await c.connect(engine.endpoint) for c in consumers]
-        reqs = [(f"r{i}", list(range(i * 4, i * 4 + 4)), list(range(127 - i * 4, 123 - i * 4, -1)))
-                for i in range(20)]
+        reqs = [
+            (f"r{i}", list(range(i * 4, i * 4 + 4)), list(range(127 - i * 4, 123 - i * 4, -1)))
+            for i in range(20)
+        ]
         for rid, remote, _ in reqs:
             engine.fill(rid, remote, seed=hash(rid) & 0xFFF)
-        transfers = [await s.pull(akv.PullRequest(request_id=rid, local_block_ids=local, remote_block_ids=remote))
-                     for rid, remote, local in reqs for s in sessions]
+        transfers = [
+            await s.pull(akv.PullRequest(request_id=rid, local_block_ids=local, remote_block_ids=remote))
+            for rid, remote, local in reqs
+            for s in sessions
+        ]
         results = [await t for t in transfers]
         assert all(r.bytes > 0 and r.reads == 1 for r in results)
         for rid, _, local in reqs:
@@ -29,7 +34,8 @@ async def test_concurrent_pulls_verify_and_release_once() -> None:
                 assert verify(c, local, hash(rid) & 0xFFF, range(4))
         await wait_for(lambda: len(engine.releases) == 40)
         assert sorted((r.request_id, r.reason) for r in engine.releases) == sorted(
-            (rid, "read") for rid, _, _ in reqs for _ in range(2))
+            (rid, "read") for rid, _, _ in reqs for _ in range(2)
+        )
         snap = consumers[0].metrics.snapshot()
         assert snap.counters["transfers"] == 20 and snap.transfers.count == 20
         assert not consumers[0].backend._xfers  # every NIXL handle released
@@ -69,8 +75,12 @@ async def test_partial_prefix_hit_and_full_hit() -> None:
 
 @pytest.mark.parametrize(
     ("local", "remote", "match"),
-    [([0, 99], [1, 2], "outside"), ([-3], [1], "outside"), ([1, 1], [2, 3], "duplicate"),
-     ([1, 2, 3], [4, 5], "3 local blocks")],
+    [
+        ([0, 99], [1, 2], "outside"),
+        ([-3], [1], "outside"),
+        ([1, 1], [2, 3], "duplicate"),
+        ([1, 2, 3], [4, 5], "3 local blocks"),
+    ],
 )
 async def test_bad_block_ids_fail_the_request_only(local: list[int], remote: list[int], match: str) -> None:
     """Bad block ids raise BlockIdError from pull; the session keeps serving good requests."""

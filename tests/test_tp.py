@@ -52,7 +52,7 @@ def check_dense(p: int, d: int, h: int, key: int) -> None:
             theirs = tp.held_heads(read.remote_rank, p, h)
             assert read.remote_heads.stop <= len(theirs)
             assert read.local_heads.stop <= len(mine)
-            for lh, rh in zip(read.local_heads, read.remote_heads):
+            for lh, rh in zip(read.local_heads, read.remote_heads, strict=True):
                 assert mine[lh] == theirs[rh]  # the same global head on both sides
                 seen.append(mine[lh])
             assert read.remote_rank in plan.notify
@@ -86,8 +86,12 @@ def test_dense_mapping_any_request_key(cfg: tuple[int, int, int], key: int) -> N
 @pytest.mark.parametrize(("p", "h"), [(p, h) for p in SIZES for h in HEADS if h < p and valid(p, h)])
 def test_gqa_replica_choice_spreads_over_request_keys(p: int, h: int) -> None:
     """With prefill replicas, varying the request key uses every replica of a head."""
-    used = {tp.plan_reads(decode_rank=0, decode_tp=1, prefill_tp=p, kv_heads=h, request_key=k).reads[0].remote_rank
-            for k in range(p // h)}
+    used = {
+        tp.plan_reads(decode_rank=0, decode_tp=1, prefill_tp=p, kv_heads=h, request_key=k)
+        .reads[0]
+        .remote_rank
+        for k in range(p // h)
+    }
     assert used == set(tp.holders(0, p, h))
 
 
@@ -99,8 +103,9 @@ def test_mla_one_full_read_rotating_and_counts_match(p: int, d: int) -> None:
         targets = set()
         period = tp.read_period(decode_rank=rank, decode_tp=d, prefill_tp=p, kv_heads=1, mla=True)
         for key in range(period * 2):
-            plan = tp.plan_reads(decode_rank=rank, decode_tp=d, prefill_tp=p, kv_heads=1, mla=True,
-                                 request_key=key)
+            plan = tp.plan_reads(
+                decode_rank=rank, decode_tp=d, prefill_tp=p, kv_heads=1, mla=True, request_key=key
+            )
             assert len(plan.reads) == 1
             assert plan.reads[0].remote_rank in plan.notify
             targets.add(plan.reads[0].remote_rank)
@@ -109,7 +114,10 @@ def test_mla_one_full_read_rotating_and_counts_match(p: int, d: int) -> None:
             expected[q] += 1
     assert all(n >= 1 for n in expected)
     for q in range(p):
-        assert tp.expected_notifications(prefill_rank=q, prefill_tp=p, decode_tp=d, kv_heads=1, mla=True) == expected[q]
+        assert (
+            tp.expected_notifications(prefill_rank=q, prefill_tp=p, decode_tp=d, kv_heads=1, mla=True)
+            == expected[q]
+        )
 
 
 def test_uneven_pairs_example() -> None:
