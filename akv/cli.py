@@ -282,6 +282,7 @@ async def run_prefill(
         "released": released,
         "expired": expired,
         "unreleased": sum(1 for r in reasons if len(r) < a.tp_size),
+        "duplicate_releases": sum(1 for r in reasons if len(r) > a.tp_size),
         "tp_size": a.tp_size,
         "seconds": round(time.monotonic() - started, 3),
         "notifications_unknown": counters.get("notifications_unknown", 0),
@@ -509,7 +510,9 @@ async def _lines(stream: Any) -> Any:
             line = await buf.receive_until(b"\n", 1 << 20)
         except (anyio.IncompleteRead, anyio.EndOfStream):
             return
-        yield line.decode(errors="replace")
+        text = line.decode(errors="replace").strip()
+        if text.startswith("{"):  # UCX may print its own log lines to stdout
+            yield text
 
 
 async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:

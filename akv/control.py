@@ -238,12 +238,19 @@ class ServerConversation:
         return [Metadata(ranks=infos, mac=mac)], False
 
 
+@dataclass(slots=True)
+class _Conn:
+    scope: anyio.CancelScope
+    greeted: bool = False
+
+
 class ControlServer:
     """Serves handshakes for the prefill ranks added to it.
 
     Binds ``127.0.0.1`` by default; binding any other address requires a secret unless
-    ``allow_insecure`` is set. Limits: ``max_connections`` at once (others get a ``busy``
-    error), ``read_timeout`` per frame and ``max_frame`` bytes per client frame.
+    ``allow_insecure`` is set. Limits: ``max_connections`` at once (at the cap, the oldest
+    connection that has not sent a valid Hello is dropped; if every one has, the newcomer
+    gets a ``busy`` error), ``read_timeout`` per read and ``max_frame`` bytes per client frame.
     """
 
     def __init__(
@@ -273,8 +280,13 @@ class ControlServer:
         self.directory = directory
         self.metrics = metrics or Metrics()
         self.ranks: dict[int, HostedRank] = {}
-        self.active = 0
+        self._conns: dict[int, _Conn] = {}
         self._endpoint: Endpoint | None = None
+
+    @property
+    def active(self) -> int:
+        """Connections being served now."""
+        return len(self._conns)
 
     def add(self, rank: HostedRank) -> None:
         """Host a prefill rank; all ranks of one server belong to one engine."""
@@ -311,20 +323,29 @@ class ControlServer:
 
     async def _handle(self, stream: SocketStream) -> None:
         async with stream:
-            if self.active >= self.max_connections:
-                self.metrics.inc("connections_refused")
-                with anyio.move_on_after(1):
-                    await stream.send(encode_frame(Error(code="busy", message="too many connections")))
-                return
-            self.active += 1
+            if len(self._conns) >= self.max_connections:
+                # Make room by dropping the oldest connection that never sent a valid Hello, so
+                # idle or garbage connections cannot lock real handshakes out.
+                victim = next((c for c in self._conns.values() if not c.greeted), None)
+                if victim is None:
+                    self.metrics.inc("connections_refused")
+                    with anyio.move_on_after(1):
+                        await stream.send(encode_frame(Error(code="busy", message="too many connections")))
+                    return
+                victim.scope.cancel()
+                del self._conns[id(victim)]
+                self.metrics.inc("connections_evicted")
+            conn = _Conn(anyio.CancelScope())
+            self._conns[id(conn)] = conn
             try:
-                await self._converse(stream)
+                with conn.scope:
+                    await self._converse(stream, conn)
             except (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError, OSError):
                 pass
             finally:
-                self.active -= 1
+                self._conns.pop(id(conn), None)
 
-    async def _converse(self, stream: SocketStream) -> None:
+    async def _converse(self, stream: SocketStream, conn: _Conn) -> None:
         conv = ServerConversation(self.ranks, self.secret, self.directory, self.metrics)
         frames = FrameBuffer(self.max_frame)
         while True:
@@ -349,6 +370,7 @@ class ControlServer:
                     msgs.append(exc)
             for msg in msgs:
                 replies, done = conv.receive(msg)
+                conn.greeted = conv.state not in ("hello", "closed")
                 for reply in replies:
                     with anyio.fail_after(self.read_timeout):
                         await stream.send(encode_frame(reply))

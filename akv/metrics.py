@@ -18,6 +18,7 @@ COUNTERS: tuple[str, ...] = (
     "auth_failures",
     "connections_refused",
     "connections_timed_out",
+    "connections_evicted",
     "transfers",
     "transfers_failed",
     "transfers_timed_out",

@@ -34,6 +34,17 @@ def asyncio_only() -> str:
 MODEL = ["--layers", "2", "--blocks", "64", "--block-size", "4", "--head-dim", "16", "--dtype", "float16"]
 
 
+def read_json_line(proc: subprocess.Popen[str]) -> dict[str, object]:
+    """The next JSON line a CLI process prints (UCX may interleave its own log lines)."""
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process exited ({proc.poll()}) before printing a JSON line")
+        if line.startswith("{"):
+            return dict(json.loads(line))
+
+
 @contextmanager
 def prefill_process(
     tp_size: int, kv_heads: int, *extra: str, requests: int = 6, env: dict[str, str] | None = None
@@ -61,9 +72,8 @@ def prefill_process(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        ready = json.loads(line)
-        assert ready["event"] == "ready", line
+        ready = read_json_line(proc)
+        assert ready["event"] == "ready", ready
         yield proc, ready["endpoint"]
     finally:
         if proc.poll() is None:

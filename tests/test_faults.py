@@ -1,0 +1,156 @@
+"""Faults with real processes and real NIXL: killed, hung and crashing peers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+import akv
+from akv.cli import build_parser, fetch_requests, spec_from_args
+from tests.conftest import prefill_process, read_json_line, summary_of, verify
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+BIG = ["--layers", "8", "--blocks", "256", "--block-size", "64", "--head-dim", "128", "--dtype", "float16"]
+TCP = {"UCX_TLS": "tcp"}  # data over TCP: reads stay in flight long enough to be cut
+
+
+def big_spec() -> akv.KVSpec:
+    return spec_from_args(build_parser().parse_args(["decode", "--connect", "x:1", "--tp-size", "1",
+                                                      "--kv-heads", "4", *BIG]))
+
+
+def start_prefill(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "akv", "prefill", "--tp-size", "1", "--kv-heads", "4", "--requests", "8",
+           "--blocks-per-request", "16", "--json", "--timeout", "60", *BIG, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    ready = read_json_line(proc)
+    return proc, str(ready["endpoint"])
+
+
+async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGKILL mid-transfer: its pulls fail typed within 2 s, another peer's succeed, and a
+    restarted peer on the same endpoint is re-handshaken with fresh agent metadata."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    spec = big_spec()
+    victim, ep_a = start_prefill(env=TCP)
+    other, ep_b = start_prefill("--seed", "1", env=TCP)
+    try:
+        reqs_a = await fetch_requests(ep_a, spec, None, "t")
+        reqs_b = await fetch_requests(ep_b, spec, None, "t")
+        async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1,
+                                transfer_timeout=10) as consumer:
+            sa, sb = await consumer.connect(ep_a), await consumer.connect(ep_b)
+            old_agent = sa._agents[0]
+            ta = [await sa.pull(r.request_id, list(range(i * 16, i * 16 + 16)), r.block_ids)
+                  for i, r in enumerate(reqs_a[:6])]
+            tb = [await sb.pull(r.request_id, list(range(128 + i * 16, 144 + i * 16)), r.block_ids)
+                  for i, r in enumerate(reqs_b[:6])]
+            os.kill(victim.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            failed = 0
+            for i, t in enumerate(ta):
+                try:
+                    await t
+                    assert verify(consumer, list(range(i * 16, i * 16 + 16)), reqs_a[i].seed, range(16))
+                except akv.TransferError:
+                    failed += 1
+                    assert time.monotonic() - killed < 2.0
+            assert failed > 0, "the kill landed after every read finished; nothing was tested"
+            for i, t in enumerate(tb):
+                await t
+                assert verify(consumer, list(range(128 + i * 16, 144 + i * 16)), reqs_b[i].seed, range(16))
+            victim.wait(5)
+            port = ep_a.rsplit(":", 1)[1]
+            reborn, _ = start_prefill("--port", port, env=TCP)
+            try:
+                r = reqs_a[7]
+                await (await sa.pull(r.request_id, list(range(16)), r.block_ids))
+                assert sa._agents[0] != old_agent  # new agent: stale metadata was dropped
+                assert verify(consumer, list(range(16)), r.seed, range(16))
+            finally:
+                reborn.kill()
+                reborn.wait(5)
+    finally:
+        for proc in (victim, other):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(5)
+
+
+async def test_hung_peer_times_out_and_releases_by_lease() -> None:
+    """SIGSTOP: handshakes fail on their timeout; once resumed, prefill releases every
+    request exactly once, unread ones by lease."""
+    with prefill_process(1, 4, "--lease", "1", requests=4) as (proc, endpoint):
+        spec = spec_from_args(build_parser().parse_args(
+            ["decode", "--connect", endpoint, "--tp-size", "1", "--kv-heads", "4",
+             "--layers", "2", "--blocks", "64", "--block-size", "4", "--head-dim", "16", "--dtype", "float16"]))
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1,
+                                    handshake_timeout=0.5, retries=0) as consumer:
+                started = time.monotonic()
+                with pytest.raises(akv.HandshakeError, match="timed out"):
+                    await consumer.connect(endpoint)
+                assert time.monotonic() - started < 3
+            await anyio.sleep(1.2)  # the leases run out while the peer is stopped
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        summary = summary_of(proc)
+    assert summary["expired"] == 4 and summary["duplicate_releases"] == 0 and summary["unreleased"] == 0
+    assert proc.returncode == 2  # some requests were released by lease, not by read
+
+
+async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read from a stopped peer (TCP transport) fails with TransferTimeout, not a hang."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    spec = big_spec()
+    proc, endpoint = start_prefill(env=TCP)
+    try:
+        reqs = await fetch_requests(endpoint, spec, None, "t")
+        async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1,
+                                transfer_timeout=1.0) as consumer:
+            session = await consumer.connect(endpoint)
+            await (await session.pull(reqs[0].request_id, list(range(16)), reqs[0].block_ids))  # warm
+            os.kill(proc.pid, signal.SIGSTOP)
+            results = []
+            for i, r in enumerate(reqs[1:7], start=1):
+                t = await session.pull(r.request_id, list(range(i * 16, i * 16 + 16)), r.block_ids)
+                try:
+                    with anyio.fail_after(5):
+                        await t
+                    results.append("ok")
+                except akv.TransferTimeout:
+                    results.append("timeout")
+            assert "timeout" in results
+            assert not consumer._inflight
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(5)
+
+
+async def test_decode_crash_after_handshake_releases_everything_by_lease_once() -> None:
+    """A decode process killed after its handshake: prefill releases every request once
+    (read or lease) and reports the counts."""
+    with prefill_process(2, 4, "--lease", "1.5", requests=12) as (proc, endpoint):
+        cmd = [sys.executable, "-m", "akv", "decode", "--connect", endpoint, "--tp-size", "2", "--kv-heads", "4",
+               "--layers", "2", "--blocks", "64", "--block-size", "4", "--head-dim", "16", "--dtype", "float16",
+               "--json", "--concurrency", "1"]
+        decode = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        first = read_json_line(decode)  # one request pulled: handshakes are done
+        assert first["event"] == "progress"
+        decode.send_signal(signal.SIGKILL)
+        decode.wait(5)
+        summary = summary_of(proc)
+    assert summary["duplicate_releases"] == 0 and summary["unreleased"] == 0
+    assert summary["released"] + summary["expired"] == 12
+    assert summary["expired"] >= 1  # the crashed reader never notified for the rest
