@@ -22,13 +22,31 @@ TCP = {"UCX_TLS": "tcp"}  # data over TCP: reads stay in flight long enough to b
 
 
 def big_spec() -> akv.KVSpec:
-    return spec_from_args(build_parser().parse_args(["decode", "--connect", "x:1", "--tp-size", "1",
-                                                      "--kv-heads", "4", *BIG]))
+    return spec_from_args(
+        build_parser().parse_args(["decode", "--connect", "x:1", "--tp-size", "1", "--kv-heads", "4", *BIG])
+    )
 
 
 def start_prefill(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "akv", "prefill", "--tp-size", "1", "--kv-heads", "4", "--requests", "8",
-           "--blocks-per-request", "16", "--json", "--timeout", "60", *BIG, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "akv",
+        "prefill",
+        "--tp-size",
+        "1",
+        "--kv-heads",
+        "4",
+        "--requests",
+        "8",
+        "--blocks-per-request",
+        "16",
+        "--json",
+        "--timeout",
+        "60",
+        *BIG,
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     ready = read_json_line(proc)
     return proc, str(ready["endpoint"])
@@ -46,14 +64,19 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
     try:
         reqs_a = await fetch_requests(ep_a, spec, None, "t")
         reqs_b = await fetch_requests(ep_b, spec, None, "t")
-        async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1,
-                                transfer_timeout=10) as consumer:
+        async with akv.Consumer(
+            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, transfer_timeout=10
+        ) as consumer:
             sa, sb = await consumer.connect(ep_a), await consumer.connect(ep_b)
             old_agent = sa._agents[0]
-            ta = [await sa.pull(r.request_id, list(range(i * 16, i * 16 + 16)), r.block_ids)
-                  for i, r in enumerate(reqs_a[:6])]
-            tb = [await sb.pull(r.request_id, list(range(128 + i * 16, 144 + i * 16)), r.block_ids)
-                  for i, r in enumerate(reqs_b[:6])]
+            ta = [
+                await sa.pull(r.request_id, list(range(i * 16, i * 16 + 16)), r.block_ids)
+                for i, r in enumerate(reqs_a[:6])
+            ]
+            tb = [
+                await sb.pull(r.request_id, list(range(128 + i * 16, 144 + i * 16)), r.block_ids)
+                for i, r in enumerate(reqs_b[:6])
+            ]
             os.kill(victim.pid, signal.SIGKILL)
             killed = time.monotonic()
             failed = 0
@@ -90,13 +113,39 @@ async def test_hung_peer_times_out_and_releases_by_lease() -> None:
     """SIGSTOP: handshakes fail on their timeout; once resumed, prefill releases every
     request exactly once, unread ones by lease."""
     with prefill_process(1, 4, "--lease", "1", requests=4) as (proc, endpoint):
-        spec = spec_from_args(build_parser().parse_args(
-            ["decode", "--connect", endpoint, "--tp-size", "1", "--kv-heads", "4",
-             "--layers", "2", "--blocks", "64", "--block-size", "4", "--head-dim", "16", "--dtype", "float16"]))
+        spec = spec_from_args(
+            build_parser().parse_args(
+                [
+                    "decode",
+                    "--connect",
+                    endpoint,
+                    "--tp-size",
+                    "1",
+                    "--kv-heads",
+                    "4",
+                    "--layers",
+                    "2",
+                    "--blocks",
+                    "64",
+                    "--block-size",
+                    "4",
+                    "--head-dim",
+                    "16",
+                    "--dtype",
+                    "float16",
+                ]
+            )
+        )
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1,
-                                    handshake_timeout=0.5, retries=0) as consumer:
+            async with akv.Consumer(
+                akv.allocate_kv_cache(spec, 0, 1),
+                spec,
+                tp_rank=0,
+                tp_size=1,
+                handshake_timeout=0.5,
+                retries=0,
+            ) as consumer:
                 started = time.monotonic()
                 with pytest.raises(akv.HandshakeError, match="timed out"):
                     await consumer.connect(endpoint)
@@ -116,8 +165,9 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
     proc, endpoint = start_prefill(env=TCP)
     try:
         reqs = await fetch_requests(endpoint, spec, None, "t")
-        async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1,
-                                transfer_timeout=1.0) as consumer:
+        async with akv.Consumer(
+            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, transfer_timeout=1.0
+        ) as consumer:
             session = await consumer.connect(endpoint)
             await (await session.pull(reqs[0].request_id, list(range(16)), reqs[0].block_ids))  # warm
             os.kill(proc.pid, signal.SIGSTOP)
@@ -142,9 +192,31 @@ async def test_decode_crash_after_handshake_releases_everything_by_lease_once() 
     """A decode process killed after its handshake: prefill releases every request once
     (read or lease) and reports the counts."""
     with prefill_process(2, 4, "--lease", "1.5", requests=12) as (proc, endpoint):
-        cmd = [sys.executable, "-m", "akv", "decode", "--connect", endpoint, "--tp-size", "2", "--kv-heads", "4",
-               "--layers", "2", "--blocks", "64", "--block-size", "4", "--head-dim", "16", "--dtype", "float16",
-               "--json", "--concurrency", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "akv",
+            "decode",
+            "--connect",
+            endpoint,
+            "--tp-size",
+            "2",
+            "--kv-heads",
+            "4",
+            "--layers",
+            "2",
+            "--blocks",
+            "64",
+            "--block-size",
+            "4",
+            "--head-dim",
+            "16",
+            "--dtype",
+            "float16",
+            "--json",
+            "--concurrency",
+            "1",
+        ]
         decode = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         first = read_json_line(decode)  # one request pulled: handshakes are done
         assert first["event"] == "progress"
