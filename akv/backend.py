@@ -58,10 +58,10 @@ class NixlBackend:
     than it gives, so akv progresses the agent from its poller by default.
     """
 
-    def __init__(self, name: str, *, progress_thread: bool = False) -> None:
+    def __init__(self, name: str, *, progress_thread: bool = False, telemetry: bool = False) -> None:
         api = _api()
         try:
-            config = api.nixl_agent_config(enable_prog_thread=progress_thread, capture_telemetry=False)
+            config = api.nixl_agent_config(enable_prog_thread=progress_thread, capture_telemetry=telemetry)
             self._agent = api.nixl_agent(name, config)
         except Exception as exc:
             raise BackendError(f"cannot create NIXL agent {name!r}: {_describe(exc)}") from exc
@@ -74,6 +74,11 @@ class NixlBackend:
         self._remotes: set[str] = set()
         self._closed = False
         self._strided: bool | None = None
+
+    @property
+    def raw(self) -> Any:
+        """The underlying ``nixl_agent``, for reference implementations (benchmarks)."""
+        return self._agent
 
     # -- memory -------------------------------------------------------------------------
 
@@ -167,10 +172,17 @@ class NixlBackend:
         remote: DlistHandle,
         remote_idx: npt.NDArray[np.int32],
         notif: bytes,
+        *,
+        merge: bool = True,
     ) -> XferHandle:
-        """Create and post a READ; the target gets ``notif`` once the read is DONE and polled."""
+        """Create and post a READ; the target gets ``notif`` once the read is DONE and polled.
+
+        ``merge=False`` keeps NIXL from merging contiguous descriptors (for comparisons).
+        """
         try:
-            handle = self._agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx, notif)
+            handle = self._agent.make_prepped_xfer(
+                "READ", local, local_idx, remote, remote_idx, notif, skip_desc_merge=not merge
+            )
         except Exception as exc:
             raise PeerLostError(f"creating the read failed: {_describe(exc)}") from exc
         self._xfers.add(handle)

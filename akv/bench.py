@@ -1,19 +1,489 @@
-"""``akv bench``: placeholder parser hook, replaced by the benchmark issue."""
+"""``akv bench``: akv against hand-written NIXL, the per-block scheme and memcpy, in one run.
+
+Each workload starts a real ``akv prefill`` process and reads from it in this (decode)
+process. Every method moves the same bytes for the same block ids:
+
+* ``akv``: :meth:`TransferSession.pull` and ``await``;
+* ``nixl``: a hand-written hot loop on the raw ``nixl_agent`` over the same strided prepped
+  lists: ``make_prepped_xfer`` with np.int32 indices, ``transfer``, spin on
+  ``check_xfer_state``;
+* ``perblock``: one descriptor per region (and plane) per block, prepared unstrided and
+  posted with merging off, as per-block connectors do;
+* ``memcpy``: torch gathers of the same bytes inside one process (the machine's limit).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["add_bench_parser"]
+import anyio
+import anyio.lowlevel
+import numpy as np
+
+__all__ = ["WORKLOADS", "Workload", "add_bench_parser", "run_bench"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark workload."""
+
+    name: str
+    prefill_tp: int
+    decode_tp: int
+    kv_heads: int = 8
+    mla: bool = False
+    blocks: tuple[int, int] = (64, 64)  # blocks per request: min, max
+    contiguous: bool = True
+    concurrency: int = 1
+    requests: int = 12
+
+
+WORKLOADS: tuple[Workload, ...] = (
+    Workload("bulk", 1, 1),
+    Workload("fragmented", 1, 1, contiguous=False),
+    Workload("decode_tp>prefill_tp", 1, 2),
+    Workload("prefill_tp>decode_tp", 2, 1),
+    Workload("mla_prefill>decode", 2, 1, kv_heads=1, mla=True),
+    Workload("small_concurrent", 1, 1, blocks=(1, 4), contiguous=False, concurrency=32, requests=256),
+)
+
+
+@dataclass
+class Figures:
+    """Measured figures of one workload."""
+
+    name: str
+    bytes: int = 0
+    descriptors: float = 0.0
+    descriptors_submitted: float = 0.0
+    perblock_descriptors: float = 0.0
+    gbps: dict[str, float] = field(default_factory=dict)
+    latency_ms: list[float] = field(default_factory=list)
+    launch_akv_us: list[float] = field(default_factory=list)
+    launch_nixl_us: list[float] = field(default_factory=list)
+
+
+def _model_argv(w: Workload, layers: int) -> list[str]:
+    argv = [
+        "--kv-heads",
+        str(w.kv_heads),
+        "--layers",
+        str(layers),
+        "--blocks",
+        "512",
+        "--block-size",
+        "16",
+        "--head-dim",
+        "576" if w.mla else "128",
+        "--dtype",
+        "bfloat16",
+    ]
+    return [*argv, "--mla"] if w.mla else argv
+
+
+def _start_prefill(w: Workload, layers: int) -> tuple[subprocess.Popen[str], str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "akv",
+        "prefill",
+        "--tp-size",
+        str(w.prefill_tp),
+        "--requests",
+        "1",
+        "--blocks-per-request",
+        "1",
+        "--hold",
+        "--no-fill",
+        "--lease",
+        "3600",
+        "--timeout",
+        "900",
+        "--json",
+        *_model_argv(w, layers),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("{"):
+            return proc, json.loads(line)["endpoint"]
+    raise RuntimeError(f"akv prefill exited ({proc.wait()}) before it was ready")
+
+
+def _requests(w: Workload, num_blocks: int, rng: np.random.Generator) -> list[tuple[str, Any, Any]]:
+    out = []
+    for i in range(w.requests):
+        n = int(rng.integers(w.blocks[0], w.blocks[1] + 1))
+        if w.contiguous:
+            r0, l0 = rng.integers(0, num_blocks - n, size=2)
+            remote, local = np.arange(r0, r0 + n), np.arange(l0, l0 + n)
+        else:
+            remote, local = rng.choice(num_blocks, n, replace=False), rng.choice(num_blocks, n, replace=False)
+        out.append((f"bench-{w.name}-{i}", local.astype(np.int32), remote.astype(np.int32)))
+    return out
+
+
+def _spin(agent: Any, handles: list[Any]) -> None:
+    for h in handles:
+        while agent.check_xfer_state(h) == "PROC":
+            pass
+        agent.release_xfer_handle(h)
+
+
+async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], None]) -> Figures:
+    import torch
+
+    import akv
+    from akv.backend import NixlBackend
+    from akv.cli import build_parser, spec_from_args
+    from akv.plan import request_key
+
+    proc, endpoint = _start_prefill(w, layers)
+    fig = Figures(w.name)
+    try:
+        spec = spec_from_args(
+            build_parser().parse_args(
+                ["decode", "--connect", endpoint, "--tp-size", str(w.decode_tp), *_model_argv(w, layers)]
+            )
+        )
+        rng = np.random.default_rng(7)
+        reqs = _requests(w, spec.num_blocks, rng)
+        async with anyio.create_task_group() as tg:
+            consumers = []
+            for d in range(w.decode_tp):
+                c = akv.Consumer(
+                    akv.allocate_kv_cache(spec, d, w.decode_tp),
+                    spec,
+                    tp_rank=d,
+                    tp_size=w.decode_tp,
+                    backend=NixlBackend(f"bench-d{d}-{os.getpid()}-{w.name}", telemetry=True),
+                )
+                consumers.append(await c.__aenter__())
+            sessions = [await c.connect(endpoint) for c in consumers]
+            batches = [reqs[i : i + w.concurrency] for i in range(0, len(reqs), w.concurrency)]
+
+            # -- akv ---------------------------------------------------------------------
+            progress(f"{w.name}: akv")
+            for warm in (True, False):
+                t0 = time.perf_counter()
+                total = 0
+                for batch in batches:
+                    tb = time.perf_counter()
+                    transfers = []
+                    for rid, local, remote in batch:
+                        for s in sessions:
+                            tl = time.perf_counter()
+                            transfers.append(await s.pull(rid, local, remote))
+                            if not warm:
+                                fig.launch_akv_us.append((time.perf_counter() - tl) * 1e6)
+                    for t in transfers:
+                        res = await t
+                        total += res.bytes
+                        if not warm:
+                            fig.descriptors_submitted += res.descriptors
+                    if not warm:
+                        fig.latency_ms.extend([(time.perf_counter() - tb) * 1e3] * len(batch))
+                if not warm:
+                    fig.gbps["akv"] = total / (time.perf_counter() - t0) / 1e9
+                    fig.bytes = total // len(reqs)
+                    fig.descriptors_submitted /= len(reqs)
+
+            # -- hand-written NIXL and the per-block scheme ------------------------------
+            def raw_reads(merge: bool, expanded: dict[Any, Any] | None) -> tuple[float, float]:
+                ndesc = 0
+                total = 0
+                t0 = time.perf_counter()
+                for batch in batches:
+                    handles: list[tuple[Any, Any]] = []
+                    for rid, local, remote in batch:
+                        key = request_key(rid)
+                        for s, c in zip(sessions, consumers, strict=True):
+                            assert s.plan is not None
+                            lb, rb = s.plan.block_ids(local, remote)
+                            agent = c.backend.raw
+                            for op in s.plan.reads(key).ops:
+                                lidx = (op.local_offsets + lb[None, :]).ravel()
+                                ridx = (op.remote_offsets + rb[None, :]).ravel()
+                                dl = (expanded or s._dlists)[op.local_table]
+                                dr = (
+                                    (expanded or s._dlists)[op.remote_table]
+                                    if expanded is None
+                                    else expanded[(s, op.remote_table)]
+                                )
+                                tl = time.perf_counter()
+                                h = agent.make_prepped_xfer(
+                                    "READ", dl, lidx, dr, ridx, b"", skip_desc_merge=not merge
+                                )
+                                agent.transfer(h)
+                                if merge and expanded is None:
+                                    fig.launch_nixl_us.append((time.perf_counter() - tl) * 1e6)
+                                handles.append((agent, h))
+                                total += op.bytes_per_block * len(lb)
+                    for agent, h in handles:
+                        while agent.check_xfer_state(h) == "PROC":
+                            pass
+                        ndesc += int(agent.get_xfer_telemetry(h).descCount)
+                        agent.release_xfer_handle(h)
+                return total / (time.perf_counter() - t0) / 1e9, ndesc / len(reqs)
+
+            progress(f"{w.name}: hand-written nixl")
+            raw_reads(True, None)  # warm
+            fig.launch_nixl_us.clear()
+            fig.gbps["nixl"], fig.descriptors = raw_reads(True, None)
+
+            progress(f"{w.name}: per-block")
+            expanded: dict[Any, Any] = {}
+            for s, c in zip(sessions, consumers, strict=True):
+                assert s.plan is not None
+                for key, table in s.plan.tables.items():
+                    if key[0] == "local" and key not in expanded:
+                        expanded[key] = c.backend.prep_expanded("", table, c.mem_type)
+                    elif key[0] == "remote":
+                        expanded[(s, key)] = c.backend.prep_expanded(s._agents[int(key[1])], table, "DRAM")  # type: ignore[call-overload]
+            raw_reads(False, expanded)  # warm
+            fig.gbps["perblock"], fig.perblock_descriptors = raw_reads(False, expanded)
+
+            # -- memcpy ------------------------------------------------------------------
+            progress(f"{w.name}: memcpy")
+            per_block = fig.bytes // max(1, int(np.mean([len(r[1]) for r in reqs])))
+            src = torch.zeros((spec.num_blocks, max(1, per_block)), dtype=torch.uint8)
+            dst = torch.zeros_like(src)
+            for warm in (True, False):
+                t0 = time.perf_counter()
+                total = 0
+                for _, local, remote in reqs:
+                    li, ri = (
+                        torch.from_numpy(local.astype(np.int64)),
+                        torch.from_numpy(remote.astype(np.int64)),
+                    )
+                    dst.index_copy_(0, li, src.index_select(0, ri))
+                    total += len(local) * src.shape[1]
+                if not warm:
+                    fig.gbps["memcpy"] = total / (time.perf_counter() - t0) / 1e9
+            for c in consumers:
+                await c.aclose()
+            tg.cancel_scope.cancel()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return fig
+
+
+async def _poller_figures(idle_seconds: float) -> dict[str, float]:
+    """Idle CPU of a producer+consumer pair, and notification-to-release latency under load."""
+    import torch
+
+    import akv
+    from akv.fill import expected_blocks  # noqa: F401  (warm imports outside the timing)
+
+    spec = akv.KVSpec.create(layers=2, num_blocks=64, block_size=4, kv_heads=2, head_dim=16, dtype="float16")
+    released: dict[str, float] = {}
+    out: dict[str, float] = {}
+    async with anyio.create_task_group() as tg:
+        server = akv.ControlServer()
+        ep = await tg.start(server.serve)
+        async with (
+            akv.Producer(
+                akv.allocate_kv_cache(spec, 0, 1),
+                spec,
+                tp_rank=0,
+                tp_size=1,
+                server=server,
+                on_release=lambda r: released.__setitem__(r.request_id, time.perf_counter()),
+            ) as prod,
+            akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1) as cons,
+        ):
+            session = await cons.connect(ep)
+            # idle: nothing exposed; then one request exposed and unread (the producer must poll)
+            for label, expose in (("idle_cpu_percent", False), ("idle_cpu_percent_pending", True)):
+                if expose:
+                    prod.expose("pending", [0])
+                await anyio.sleep(0.3)
+                c0, w0 = time.process_time(), time.perf_counter()
+                await anyio.sleep(idle_seconds)
+                out[label] = 100 * (time.process_time() - c0) / (time.perf_counter() - w0)
+            # reaction under load: back-to-back tiny pulls; done -> release latency on the producer
+            lat = []
+            for i in range(300):
+                rid = f"lat-{i}"
+                prod.expose(rid, [1 + i % 60])
+                t = await session.pull(rid, [1 + i % 60], [1 + i % 60])
+                res = await t
+                done_at = time.perf_counter()
+                with anyio.fail_after(5):
+                    while rid not in released:
+                        await anyio.lowlevel.checkpoint()
+                lat.append((released[rid] - done_at) * 1e6 + res.seconds * 0)  # release after done
+            arr = np.array(lat)
+            out["release_after_done_us_p50"] = float(np.percentile(arr, 50))
+            out["release_after_done_us_p99"] = float(np.percentile(arr, 99))
+            del torch
+        tg.cancel_scope.cancel()
+    return out
+
+
+def _table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
+    """Register and prepare a (layers x 2) x blocks table, strided and expanded: time and peak RSS."""
+    import torch
+
+    from akv.backend import NixlBackend
+    from akv.plan import RankMemory, build_table
+    from akv.spec import KVSpec
+
+    spec = KVSpec.create(
+        layers=layers, num_blocks=blocks, block_size=1, kv_heads=1, head_dim=8, dtype="float16"
+    )
+    kv = [torch.zeros(spec.region_shape(0, 1), dtype=torch.float16) for _ in range(spec.num_regions)]
+    out: dict[str, float] = {"layers": layers, "blocks": blocks, "descriptors": spec.num_regions * blocks}
+    for mode in ("strided", "expanded"):
+        b = NixlBackend(f"prep-{mode}-{os.getpid()}")
+        t = time.perf_counter()
+        b.register(kv)
+        out["register_ms"] = (time.perf_counter() - t) * 1e3
+        table = build_table(spec, RankMemory(0, 1, tuple(x.data_ptr() for x in kv)), None)
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t = time.perf_counter()
+        (b.prep if mode == "strided" else b.prep_expanded)("", table, "DRAM")
+        out[f"{mode}_prep_ms"] = (time.perf_counter() - t) * 1e3
+        out[f"{mode}_peak_rss_growth_mib"] = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+        ) / 1024
+        b.close()
+    return out
+
+
+async def run_bench(quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Run every workload and the poller and table figures; returns the JSON summary."""
+    layers = 8 if quick else 16
+    figures = []
+    for w in WORKLOADS:
+        if not quick:
+            w = Workload(**{**w.__dict__, "requests": w.requests * 4})
+        figures.append(await _bench_workload(w, layers, progress))
+    progress("poller")
+    poller = await _poller_figures(2.0 if quick else 5.0)
+    progress("table preparation")
+    table = _table_prep(10_000 if quick else 100_000)
+    launch_akv = [x for f in figures if f.name == "small_concurrent" for x in f.launch_akv_us]
+    launch_nixl = [x for f in figures if f.name == "small_concurrent" for x in f.launch_nixl_us]
+    return {
+        "workloads": [
+            {
+                "name": f.name,
+                "bytes": f.bytes,
+                "descriptors": round(f.descriptors, 1),
+                "descriptors_submitted": round(f.descriptors_submitted, 1),
+                "perblock_descriptors": round(f.perblock_descriptors, 1),
+                "akv_gbps": round(f.gbps["akv"], 3),
+                "nixl_gbps": round(f.gbps["nixl"], 3),
+                "perblock_gbps": round(f.gbps["perblock"], 3),
+                "memcpy_gbps": round(f.gbps["memcpy"], 3),
+                "akv_vs_nixl": round(f.gbps["akv"] / f.gbps["nixl"], 3),
+                "p50_ms": round(float(np.percentile(f.latency_ms, 50)), 3),
+                "p99_ms": round(float(np.percentile(f.latency_ms, 99)), 3),
+            }
+            for f in figures
+        ],
+        "launch": {
+            "akv_us_p50": round(float(np.percentile(launch_akv, 50)), 1),
+            "nixl_us_p50": round(float(np.percentile(launch_nixl, 50)), 1),
+        },
+        "idle_cpu_percent": round(poller["idle_cpu_percent_pending"], 3),
+        "poller": {k: round(v, 3) for k, v in poller.items()},
+        "table_prep": {k: round(v, 3) for k, v in table.items()},
+        "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+        "mode": "quick" if quick else "full",
+    }
+
+
+def _print_table(summary: dict[str, Any]) -> None:
+    cols = (
+        "name",
+        "bytes",
+        "descriptors",
+        "perblock_descriptors",
+        "akv_gbps",
+        "nixl_gbps",
+        "perblock_gbps",
+        "memcpy_gbps",
+        "akv_vs_nixl",
+        "p50_ms",
+        "p99_ms",
+    )
+    rows = [[str(w[c]) for c in cols] for w in summary["workloads"]]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(widths[i]) for i, c in enumerate(cols)))
+    for r in rows:
+        print("  ".join(v.ljust(widths[i]) for i, v in enumerate(r)))
+    launch = summary["launch"]
+    print(
+        f"launch overhead p50: akv {launch['akv_us_p50']} us, raw make_prepped_xfer+transfer "
+        f"{launch['nixl_us_p50']} us"
+    )
+    print(f"poller: {summary['poller']}")
+    print(f"table preparation: {summary['table_prep']}")
+
+
+def _plot(summary: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("akv bench --plot needs matplotlib: pip install 'akv[bench]'") from None
+    names = [w["name"] for w in summary["workloads"]]
+    methods = ("akv", "nixl", "perblock", "memcpy")
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for i, m in enumerate(methods):
+        ax.bar(x + (i - 1.5) * 0.2, [w[f"{m}_gbps"] for w in summary["workloads"]], 0.2, label=m)
+    ax.set_xticks(x, names, rotation=15)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"akv bench ({summary['mode']}, {summary['machine']['cpus']} CPUs, DRAM over UCX loopback)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def add_bench_parser(sub: Any) -> None:
-    """Register ``akv bench`` (not implemented yet)."""
-    p: argparse.ArgumentParser = sub.add_parser("bench", help="benchmarks (see docs/performance.md)")
+    """Register ``akv bench``."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench", help="benchmarks: akv vs hand-written NIXL, per-block, memcpy"
+    )
+    p.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes on 2 cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--plot", metavar="FILE.png", help="draw bandwidth per workload and method")
+    p.add_argument("-v", "--verbose", action="count", default=0)
 
     def run(a: argparse.Namespace) -> int:
-        print("akv bench: not implemented yet", flush=True)
-        return 1
+        tty = sys.stderr.isatty()
+        started = time.monotonic()
+
+        def progress(step: str) -> None:
+            line = f"[{time.monotonic() - started:6.1f}s] {step}"
+            sys.stderr.write(("\r\033[K" + line) if tty else line + "\n")
+            sys.stderr.flush()
+
+        summary = anyio.run(run_bench, a.quick, progress)
+        if tty:
+            sys.stderr.write("\n")
+        summary["seconds"] = round(time.monotonic() - started, 1)
+        if a.plot:
+            _plot(summary, a.plot)
+        if a.json:
+            print(json.dumps(summary, separators=(",", ":")))
+        else:
+            _print_table(summary)
+        return 0
 
     p.set_defaults(func=run)

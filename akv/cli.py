@@ -236,7 +236,7 @@ async def run_prefill(
             producers = []
             for rank in range(a.tp_size):
                 kv = allocate_kv_cache(spec, rank, a.tp_size)
-                for req in requests:
+                for req in requests if not a.no_fill else ():
                     fill_request(kv, spec, rank, a.tp_size, req.block_ids, req.seed)
                 producers.append(
                     await stack.enter_async_context(
@@ -267,6 +267,8 @@ async def run_prefill(
             with anyio.move_on_after(a.timeout if a.timeout > 0 else math.inf):
                 for prod in producers:
                     await prod.wait_released()
+                if a.hold:  # keep serving (benchmarks) until terminated or timed out
+                    await anyio.sleep_forever()
             counters: dict[str, int] = {}
             for prod in producers:
                 for k, v in prod.metrics.snapshot().counters.items():
@@ -664,6 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=0.0, help="give up after this many seconds (0: never)")
     p.add_argument("--engine-id", default="prefill")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hold", action="store_true", help="keep serving after every request is released")
+    p.add_argument("--no-fill", action="store_true", help="leave the cache zeroed (benchmarks)")
     p.add_argument(
         "--allow-insecure",
         action="store_true",

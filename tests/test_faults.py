@@ -191,7 +191,7 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
 async def test_decode_crash_after_handshake_releases_everything_by_lease_once() -> None:
     """A decode process killed after its handshake: prefill releases every request once
     (read or lease) and reports the counts."""
-    with prefill_process(2, 4, "--lease", "1.5", requests=12) as (proc, endpoint):
+    with prefill_process(2, 4, "--lease", "6", requests=12) as (proc, endpoint):  # outlives decode start-up
         cmd = [
             sys.executable,
             "-m",
@@ -219,7 +219,7 @@ async def test_decode_crash_after_handshake_releases_everything_by_lease_once() 
         ]
         decode = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         first = read_json_line(decode)  # one request pulled: handshakes are done
-        assert first["event"] == "progress"
+        assert first["event"] == "progress", first
         decode.send_signal(signal.SIGKILL)
         decode.wait(5)
         summary = summary_of(proc)
