@@ -11,16 +11,26 @@ __all__ = ["Backoff"]
 
 
 class Backoff:
-    """Yields immediately for ``spin_s`` after the last progress, then sleeps with growing delays.
+    """Yields immediately for ``spin_s`` after the last progress, then sleeps with growing delays:
+    up to ``max_sleep_s`` while activity is recent, up to ``quiet_sleep_s`` after ``quiet_s``
+    of quiet, and ``idle_sleep_s`` when there is no work at all.
 
     ``wake()`` (called when new work arrives) ends a sleep early.
     """
 
     def __init__(
-        self, *, spin_s: float = 0.002, max_sleep_s: float = 0.002, idle_sleep_s: float = 0.05
+        self,
+        *,
+        spin_s: float = 0.002,
+        max_sleep_s: float = 0.002,
+        quiet_s: float = 0.1,
+        quiet_sleep_s: float = 0.01,
+        idle_sleep_s: float = 0.05,
     ) -> None:
         self.spin_s = spin_s
         self.max_sleep_s = max_sleep_s
+        self.quiet_s = quiet_s
+        self.quiet_sleep_s = max(quiet_sleep_s, max_sleep_s)
         self.idle_sleep_s = idle_sleep_s
         self._last = time.monotonic()
         self._delay = 0.0
@@ -43,7 +53,9 @@ class Backoff:
             await anyio.lowlevel.checkpoint()
             return
         if busy:
-            self._delay = min(self.max_sleep_s, max(self._delay * 2, 0.0005))
+            # Short sleeps right after activity; longer ones once quiet for ``quiet_s``.
+            ceiling = self.max_sleep_s if now - self._last < self.quiet_s else self.quiet_sleep_s
+            self._delay = min(ceiling, max(self._delay * 2, 0.0005))
         else:
             self._delay = self.idle_sleep_s
         delay = self._delay if limit is None else max(0.0, min(self._delay, limit))

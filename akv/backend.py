@@ -116,6 +116,13 @@ class NixlBackend:
         self._remotes.add(name)
         return name
 
+    def connect(self, name: str) -> None:
+        """Set up the transport to a loaded remote agent now, not on the first transfer."""
+        try:
+            self._agent.make_connection(name)
+        except Exception as exc:
+            raise PeerLostError(f"cannot connect to {name}: {_describe(exc)}") from exc
+
     def remove_remote(self, name: str) -> None:
         """Forget a remote agent (and disconnect from it). Idempotent."""
         if name in self._remotes:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,7 @@ class Workload:
     blocks: tuple[int, int] = (64, 64)  # blocks per request: min, max
     contiguous: bool = True
     concurrency: int = 1
-    requests: int = 12
+    requests: int = 24
 
 
 WORKLOADS: tuple[Workload, ...] = (
@@ -52,9 +53,12 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("fragmented", 1, 1, contiguous=False),
     Workload("decode_tp>prefill_tp", 1, 2),
     Workload("prefill_tp>decode_tp", 2, 1),
-    Workload("mla_prefill>decode", 2, 1, kv_heads=1, mla=True),
-    Workload("small_concurrent", 1, 1, blocks=(1, 4), contiguous=False, concurrency=32, requests=256),
+    Workload("mla_prefill>decode", 2, 1, kv_heads=1, mla=True, requests=64),
+    Workload("small_concurrent", 1, 1, blocks=(1, 4), contiguous=False, concurrency=32, requests=512),
 )
+
+
+_WILLIAMS = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))
 
 
 @dataclass
@@ -140,12 +144,12 @@ def _spin(agent: Any, handles: list[Any]) -> None:
 
 
 async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], None]) -> Figures:
-    import torch
 
     import akv
     from akv.backend import NixlBackend
     from akv.cli import build_parser, spec_from_args
     from akv.plan import request_key
+    from akv.wire import Notice, encode_notice
 
     proc, endpoint = _start_prefill(w, layers)
     fig = Figures(w.name)
@@ -157,7 +161,7 @@ async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], No
         )
         rng = np.random.default_rng(7)
         reqs = _requests(w, spec.num_blocks, rng)
-        async with anyio.create_task_group() as tg:
+        async with AsyncExitStack() as stack:
             consumers = []
             for d in range(w.decode_tp):
                 c = akv.Consumer(
@@ -167,115 +171,147 @@ async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], No
                     tp_size=w.decode_tp,
                     backend=NixlBackend(f"bench-d{d}-{os.getpid()}-{w.name}", telemetry=True),
                 )
-                consumers.append(await c.__aenter__())
+                consumers.append(await stack.enter_async_context(c))
             sessions = [await c.connect(endpoint) for c in consumers]
             batches = [reqs[i : i + w.concurrency] for i in range(0, len(reqs), w.concurrency)]
 
-            # -- akv ---------------------------------------------------------------------
-            progress(f"{w.name}: akv")
-            for warm in (True, False):
-                t0 = time.perf_counter()
-                total = 0
-                for batch in batches:
-                    tb = time.perf_counter()
-                    transfers = []
-                    for rid, local, remote in batch:
-                        for s in sessions:
-                            tl = time.perf_counter()
-                            transfers.append(await s.pull(rid, local, remote))
-                            if not warm:
-                                fig.launch_akv_us.append((time.perf_counter() - tl) * 1e6)
-                    for t in transfers:
-                        res = await t
-                        total += res.bytes
-                        if not warm:
-                            fig.descriptors_submitted += res.descriptors
-                    if not warm:
-                        fig.latency_ms.extend([(time.perf_counter() - tb) * 1e3] * len(batch))
-                if not warm:
-                    fig.gbps["akv"] = total / (time.perf_counter() - t0) / 1e9
-                    fig.bytes = total // len(reqs)
-                    fig.descriptors_submitted /= len(reqs)
-
-            # -- hand-written NIXL and the per-block scheme ------------------------------
-            def raw_reads(merge: bool, expanded: dict[Any, Any] | None) -> tuple[float, float]:
-                ndesc = 0
-                total = 0
-                t0 = time.perf_counter()
-                for batch in batches:
-                    handles: list[tuple[Any, Any]] = []
-                    for rid, local, remote in batch:
-                        key = request_key(rid)
-                        for s, c in zip(sessions, consumers, strict=True):
-                            assert s.plan is not None
-                            lb, rb = s.plan.block_ids(local, remote)
-                            agent = c.backend.raw
-                            for op in s.plan.reads(key).ops:
-                                lidx = (op.local_offsets + lb[None, :]).ravel()
-                                ridx = (op.remote_offsets + rb[None, :]).ravel()
-                                dl = (expanded or s._dlists)[op.local_table]
-                                dr = (
-                                    (expanded or s._dlists)[op.remote_table]
-                                    if expanded is None
-                                    else expanded[(s, op.remote_table)]
-                                )
-                                tl = time.perf_counter()
-                                h = agent.make_prepped_xfer(
-                                    "READ", dl, lidx, dr, ridx, b"", skip_desc_merge=not merge
-                                )
-                                agent.transfer(h)
-                                if merge and expanded is None:
-                                    fig.launch_nixl_us.append((time.perf_counter() - tl) * 1e6)
-                                handles.append((agent, h))
-                                total += op.bytes_per_block * len(lb)
-                    for agent, h in handles:
-                        while agent.check_xfer_state(h) == "PROC":
-                            pass
-                        ndesc += int(agent.get_xfer_telemetry(h).descCount)
-                        agent.release_xfer_handle(h)
-                return total / (time.perf_counter() - t0) / 1e9, ndesc / len(reqs)
-
-            progress(f"{w.name}: hand-written nixl")
-            raw_reads(True, None)  # warm
-            fig.launch_nixl_us.clear()
-            fig.gbps["nixl"], fig.descriptors = raw_reads(True, None)
-
-            progress(f"{w.name}: per-block")
-            expanded: dict[Any, Any] = {}
-            for s, c in zip(sessions, consumers, strict=True):
-                assert s.plan is not None
-                for key, table in s.plan.tables.items():
-                    if key[0] == "local" and key not in expanded:
-                        expanded[key] = c.backend.prep_expanded("", table, c.mem_type)
-                    elif key[0] == "remote":
-                        expanded[(s, key)] = c.backend.prep_expanded(s._agents[int(key[1])], table, "DRAM")  # type: ignore[call-overload]
-            raw_reads(False, expanded)  # warm
-            fig.gbps["perblock"], fig.perblock_descriptors = raw_reads(False, expanded)
-
-            # -- memcpy ------------------------------------------------------------------
-            progress(f"{w.name}: memcpy")
-            per_block = fig.bytes // max(1, int(np.mean([len(r[1]) for r in reqs])))
-            src = torch.zeros((spec.num_blocks, max(1, per_block)), dtype=torch.uint8)
-            dst = torch.zeros_like(src)
-            for warm in (True, False):
-                t0 = time.perf_counter()
-                total = 0
-                for _, local, remote in reqs:
-                    li, ri = (
-                        torch.from_numpy(local.astype(np.int64)),
-                        torch.from_numpy(remote.astype(np.int64)),
-                    )
-                    dst.index_copy_(0, li, src.index_select(0, ri))
-                    total += len(local) * src.shape[1]
-                if not warm:
-                    fig.gbps["memcpy"] = total / (time.perf_counter() - t0) / 1e9
-            for c in consumers:
-                await c.aclose()
-            tg.cancel_scope.cancel()
+            methods = _Methods(sessions, consumers, spec, fig, Notice, encode_notice, request_key)
+            order = ["akv", "nixl", "perblock", "memcpy"]
+            totals: dict[str, list[float]] = {m: [0.0, 0.0] for m in order}  # bytes, seconds
+            progress(f"{w.name}: warming up")
+            for m in order:
+                await methods.run(m, batches[0], record=False)
+            progress(f"{w.name}: {len(batches)} batches x {len(order)} methods, interleaved")
+            for i, batch in enumerate(batches):
+                # A Williams design: over 4 batches each method runs in each position once and
+                # follows each other method once, so cache and CPU after-effects cancel out.
+                for m in (order[k] for k in _WILLIAMS[i % 4]):
+                    nbytes, seconds = await methods.run(m, batch, record=True)
+                    totals[m][0] += nbytes
+                    totals[m][1] += seconds
+            for m, (moved, spent) in totals.items():
+                fig.gbps[m] = moved / spent / 1e9
+            fig.bytes = int(totals["akv"][0]) // len(reqs)
+            fig.descriptors_submitted /= len(reqs)
+            fig.descriptors /= len(reqs)
+            fig.perblock_descriptors /= len(reqs)
     finally:
         proc.terminate()
         proc.wait(10)
     return fig
+
+
+class _Methods:
+    """The four ways of moving one batch of requests; each returns (bytes, seconds)."""
+
+    def __init__(
+        self,
+        sessions: list[Any],
+        consumers: list[Any],
+        spec: Any,
+        fig: Figures,
+        notice: Any,
+        encode: Any,
+        key: Any,
+    ) -> None:
+        import torch
+
+        self.sessions, self.consumers, self.fig = sessions, consumers, fig
+        self.notice, self.encode, self.key = notice, encode, key
+        self.expanded: dict[Any, Any] = {}
+        for s, c in zip(sessions, consumers, strict=True):
+            for tkey, table in s.plan.tables.items():
+                agent = "" if tkey[0] == "local" else s._agents[int(tkey[1])]
+                self.expanded[(id(c), tkey)] = c.backend.prep_expanded(agent, table, "DRAM")
+        # One thread: torch's OpenMP workers spin after each copy and would steal this
+        # machine's cores from whichever method runs next.
+        torch.set_num_threads(1)
+        row = max(op.bytes_per_block for s in sessions for v in s.plan.variants for op in v.ops)
+        self.src = torch.zeros((spec.num_blocks, row * len(sessions)), dtype=torch.uint8)
+        self.dst = torch.zeros_like(self.src)
+
+    async def run(self, method: str, batch: list[tuple[str, Any, Any]], record: bool) -> tuple[int, float]:
+        if method == "akv":
+            return await self._akv(batch, record)
+        if method == "memcpy":
+            return self._memcpy(batch)
+        return self._raw(batch, merge=method == "nixl", record=record)
+
+    async def _akv(self, batch: list[tuple[str, Any, Any]], record: bool) -> tuple[int, float]:
+        total = 0
+        t0 = time.perf_counter()
+        transfers = []
+        for rid, local, remote in batch:
+            for s in self.sessions:
+                tl = time.perf_counter()
+                transfers.append(await s.pull(rid, local, remote))
+                if record:
+                    self.fig.launch_akv_us.append((time.perf_counter() - tl) * 1e6)
+        for t in transfers:
+            res = await t
+            total += res.bytes
+            if record:
+                self.fig.descriptors_submitted += res.descriptors
+        seconds = time.perf_counter() - t0
+        if record:
+            self.fig.latency_ms.extend([seconds * 1e3] * len(batch))
+        return total, seconds
+
+    def _raw(self, batch: list[tuple[str, Any, Any]], *, merge: bool, record: bool) -> tuple[int, float]:
+        """The same reads and notifications, written directly against nixl_agent."""
+        total = 0
+        ndesc = 0
+        t0 = time.perf_counter()
+        handles: list[tuple[Any, Any]] = []
+        notify: list[tuple[Any, str, bytes]] = []
+        for rid, local, remote in batch:
+            key = self.key(rid)
+            for s, c in zip(self.sessions, self.consumers, strict=True):
+                agent = c.backend.raw
+                reads = s.plan.reads(key)
+                msg = self.encode(self.notice("done", c.engine_id, c.tp_rank, c.tp_size, [rid]))
+                for op in reads.ops:
+                    lidx = (op.local_offsets + local[None, :]).ravel()
+                    ridx = (op.remote_offsets + remote[None, :]).ravel()
+                    if merge:
+                        dl, dr = s._dlists[op.local_table], s._dlists[op.remote_table]
+                    else:
+                        dl = self.expanded[(id(c), op.local_table)]
+                        dr = self.expanded[(id(c), op.remote_table)]
+                    tl = time.perf_counter()
+                    h = agent.make_prepped_xfer("READ", dl, lidx, dr, ridx, msg, skip_desc_merge=not merge)
+                    agent.transfer(h)
+                    if merge and record:
+                        self.fig.launch_nixl_us.append((time.perf_counter() - tl) * 1e6)
+                    handles.append((agent, h))
+                    total += op.bytes_per_block * len(local)
+                notify.extend((agent, s._agents[r], msg) for r in reads.standalone_notify)
+        for agent, h in handles:
+            while agent.check_xfer_state(h) == "PROC":
+                pass
+            if record:
+                ndesc += int(agent.get_xfer_telemetry(h).descCount)
+            agent.release_xfer_handle(h)
+        for agent, name, msg in notify:
+            agent.send_notif(name, msg)
+        seconds = time.perf_counter() - t0
+        if record:
+            if merge:
+                self.fig.descriptors += ndesc
+            else:
+                self.fig.perblock_descriptors += ndesc
+        return total, seconds
+
+    def _memcpy(self, batch: list[tuple[str, Any, Any]]) -> tuple[int, float]:
+        """Torch row copies of the same number of bytes for the same block ids, in-process."""
+        total = 0
+        t0 = time.perf_counter()
+        for _, local, remote in batch:
+            width = sum(op.bytes_per_block for s in self.sessions for op in s.plan.reads(self.key("x")).ops)
+            for lb, rb in zip(local.tolist(), remote.tolist(), strict=True):
+                self.dst[lb, :width].copy_(self.src[rb, :width])
+            total += width * len(local)
+        return total, time.perf_counter() - t0
 
 
 async def _poller_figures(idle_seconds: float) -> dict[str, float]:
@@ -298,7 +334,7 @@ async def _poller_figures(idle_seconds: float) -> dict[str, float]:
                 tp_rank=0,
                 tp_size=1,
                 server=server,
-                on_release=lambda r: released.__setitem__(r.request_id, time.perf_counter()),
+                on_release=lambda r: released.__setitem__(r.request_id, time.monotonic()),
             ) as prod,
             akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1) as cons,
         ):
@@ -318,17 +354,29 @@ async def _poller_figures(idle_seconds: float) -> dict[str, float]:
                 prod.expose(rid, [1 + i % 60])
                 t = await session.pull(rid, [1 + i % 60], [1 + i % 60])
                 res = await t
-                done_at = time.perf_counter()
+                done_at = t.started + res.seconds  # when the consumer's poller saw DONE
                 with anyio.fail_after(5):
                     while rid not in released:
                         await anyio.lowlevel.checkpoint()
-                lat.append((released[rid] - done_at) * 1e6 + res.seconds * 0)  # release after done
+                lat.append((released[rid] - done_at) * 1e6)
             arr = np.array(lat)
             out["release_after_done_us_p50"] = float(np.percentile(arr, 50))
             out["release_after_done_us_p99"] = float(np.percentile(arr, 99))
             del torch
         tg.cancel_scope.cancel()
     return out
+
+
+def _rss_mib() -> float:
+    """Resident memory now (Linux), in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _table_prep(blocks: int, layers: int = 64) -> dict[str, float]:

@@ -89,13 +89,14 @@ class Transfer:
         self.deadline = self.started + timeout
         self.last_heartbeat = self.started
         self._handles: dict[XferHandle, int] = {}
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None  # created only if someone waits unfinished
+        self._done = False
         self._result: TransferResult | None = None
         self._error: AkvError | None = None
 
     def done(self) -> bool:
         """True once the transfer completed or failed."""
-        return self._event.is_set()
+        return self._done
 
     def result(self) -> TransferResult:
         """The result; raises the transfer's error, or :class:`TransferError` if not done yet."""
@@ -111,7 +112,10 @@ class Transfer:
 
     async def wait(self) -> TransferResult:
         """Wait for completion; same as ``await transfer``."""
-        await self._event.wait()
+        if not self._done:
+            if self._event is None:
+                self._event = anyio.Event()
+            await self._event.wait()
         return self.result()
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
@@ -127,7 +131,9 @@ class Transfer:
             )
         else:
             self._error = error
-        self._event.set()
+        self._done = True
+        if self._event is not None:
+            self._event.set()
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "done" if self.done() else "running"
@@ -221,6 +227,7 @@ class TransferSession:
         plan = TransferPlan(local_spec=c.spec, local=c.memory, remote_spec=ch.spec, remote=remote)
         for rank, info in result.ranks.items():
             self._agents[rank] = c.backend.add_remote(info.agent_metadata)
+            c.backend.connect(self._agents[rank])  # so the first pull does not pay for wire-up
         for key, table in plan.tables.items():
             if key[0] == "local":
                 self._dlists[key] = c.local_dlist(key, table)
@@ -493,12 +500,16 @@ class Consumer:
     # -- poller --------------------------------------------------------------------------
 
     def _track(self, transfer: Transfer) -> None:
-        if transfer._handles:
+        if not transfer._handles:
+            self._complete(transfer)
+            return
+        # Reads over shared memory are often done by the time they are posted: poll once now
+        # (which also lets NIXL send the notification) before handing them to the poller.
+        self._check(transfer, time.monotonic())
+        if not transfer.done():
             self._inflight.add(transfer)
             if self._backoff is not None:
                 self._backoff.wake()
-        else:
-            self._complete(transfer)
 
     def _drop_handle(self, handle: XferHandle) -> None:
         if self._backend is not None and not self._backend.release(handle):
