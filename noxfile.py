@@ -26,7 +26,7 @@ def install(session: nox.Session, *extras: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff and mypy --strict."""
-    install(session, "lint", "test")
+    install(session, "lint", "test", "bench", "docs")
     session.run("ruff", "check", "akv", "tests", "examples", "noxfile.py")
     session.run("ruff", "format", "--check", "akv")
     session.run("mypy")

@@ -398,13 +398,11 @@ def _table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
         b.register(kv)
         out["register_ms"] = (time.perf_counter() - t) * 1e3
         table = build_table(spec, RankMemory(0, 1, tuple(x.data_ptr() for x in kv)), None)
-        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss0 = _rss_mib()
         t = time.perf_counter()
         (b.prep if mode == "strided" else b.prep_expanded)("", table, "DRAM")
         out[f"{mode}_prep_ms"] = (time.perf_counter() - t) * 1e3
-        out[f"{mode}_peak_rss_growth_mib"] = (
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
-        ) / 1024
+        out[f"{mode}_rss_growth_mib"] = _rss_mib() - rss0  # held by the prepared list
         b.close()
     return out
 

@@ -185,5 +185,5 @@ def verify(consumer: akv.Consumer, local: Sequence[int], seed: int, positions: S
 
 async def wait_for(predicate: object, timeout: float = 5.0) -> None:  # noqa: ASYNC109
     with anyio.fail_after(timeout):
-        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110 - a plain predicate
+        while not predicate():  # type: ignore[operator]
             await anyio.sleep(0.005)

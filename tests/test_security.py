@@ -28,9 +28,26 @@ def test_non_loopback_bind_needs_a_secret(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_cli_refuses_insecure_bind() -> None:
     """`akv prefill --host 0.0.0.0` without a secret exits 64 with a message saying what to do."""
-    proc = subprocess.run([sys.executable, "-m", "akv", "prefill", "--tp-size", "1", "--kv-heads", "2",
-                           "--host", "0.0.0.0", "--requests", "1"], capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in __import__("os").environ.items() if k != "AKV_SECRET"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "akv",
+            "prefill",
+            "--tp-size",
+            "1",
+            "--kv-heads",
+            "2",
+            "--host",
+            "0.0.0.0",
+            "--requests",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in __import__("os").environ.items() if k != "AKV_SECRET"},
+    )
     assert proc.returncode == 64
     assert "AKV_SECRET" in proc.stderr and "allow-insecure" in proc.stderr.replace("_", "-")
 
