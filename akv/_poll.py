@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import anyio
@@ -24,8 +25,8 @@ class Backoff:
         spin_s: float = 0.002,
         max_sleep_s: float = 0.002,
         quiet_s: float = 0.1,
-        quiet_sleep_s: float = 0.01,
-        idle_sleep_s: float = 0.05,
+        quiet_sleep_s: float = 0.05,
+        idle_sleep_s: float = 0.1,
     ) -> None:
         self.spin_s = spin_s
         self.max_sleep_s = max_sleep_s
@@ -57,9 +58,12 @@ class Backoff:
             ceiling = self.max_sleep_s if now - self._last < self.quiet_s else self.quiet_sleep_s
             self._delay = min(ceiling, max(self._delay * 2, 0.0005))
         else:
-            self._delay = self.idle_sleep_s
+            self._delay = self.idle_sleep_s if limit is None or not math.isinf(limit) else math.inf
         delay = self._delay if limit is None else max(0.0, min(self._delay, limit))
         if self._event.is_set():
             self._event = anyio.Event()
+        if math.isinf(delay):  # nothing to poll for: sleep until woken (no timer wakeups)
+            await self._event.wait()
+            return
         with anyio.move_on_after(delay):
             await self._event.wait()

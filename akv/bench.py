@@ -20,6 +20,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -392,19 +393,38 @@ def _table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
     )
     kv = [torch.zeros(spec.region_shape(0, 1), dtype=torch.float16) for _ in range(spec.num_regions)]
     out: dict[str, float] = {"layers": layers, "blocks": blocks, "descriptors": spec.num_regions * blocks}
-    for mode in ("strided", "expanded"):
+    for mode in ("strided", "expanded"):  # strided first: the expanded list's memory stays mapped
         b = NixlBackend(f"prep-{mode}-{os.getpid()}")
         t = time.perf_counter()
         b.register(kv)
         out["register_ms"] = (time.perf_counter() - t) * 1e3
         table = build_table(spec, RankMemory(0, 1, tuple(x.data_ptr() for x in kv)), None)
         rss0 = _rss_mib()
+        peak = [rss0]
+        stop = threading.Event()
+
+        def sample(stop: threading.Event = stop, peak: list[float] = peak) -> None:
+            while not stop.wait(0.002):  # VmRSS every 2 ms: the transient peak while preparing
+                peak.append(_rss_mib())
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         t = time.perf_counter()
         (b.prep if mode == "strided" else b.prep_expanded)("", table, "DRAM")
         out[f"{mode}_prep_ms"] = (time.perf_counter() - t) * 1e3
-        out[f"{mode}_rss_growth_mib"] = _rss_mib() - rss0  # held by the prepared list
+        stop.set()
+        sampler.join()
+        out[f"{mode}_peak_rss_growth_mib"] = max(peak) - rss0
+        out[f"{mode}_retained_rss_mib"] = _rss_mib() - rss0  # what the prepared list keeps
         b.close()
     return out
+
+
+def _table_prep_fresh(blocks: int) -> dict[str, float]:
+    """:func:`_table_prep` in a fresh process, so that memory figures are not hidden by reuse."""
+    code = f"import json; from akv.bench import _table_prep; print(json.dumps(_table_prep({blocks})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 async def run_bench(quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -418,7 +438,7 @@ async def run_bench(quick: bool, progress: Callable[[str], None]) -> dict[str, A
     progress("poller")
     poller = await _poller_figures(2.0 if quick else 5.0)
     progress("table preparation")
-    table = _table_prep(10_000 if quick else 100_000)
+    table = _table_prep_fresh(10_000 if quick else 100_000)
     launch_akv = [x for f in figures if f.name == "small_concurrent" for x in f.launch_akv_us]
     launch_nixl = [x for f in figures if f.name == "small_concurrent" for x in f.launch_nixl_us]
     return {
