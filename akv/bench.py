@@ -96,11 +96,9 @@ def _model_argv(w: Workload, layers: int) -> list[str]:
 
 
 def _start_prefill(w: Workload, layers: int) -> tuple[subprocess.Popen[str], str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "akv",
-        "prefill",
+    from akv.cli import spawn_prefill
+
+    return spawn_prefill(
         "--tp-size",
         str(w.prefill_tp),
         "--requests",
@@ -113,15 +111,8 @@ def _start_prefill(w: Workload, layers: int) -> tuple[subprocess.Popen[str], str
         "3600",
         "--timeout",
         "900",
-        "--json",
         *_model_argv(w, layers),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("{"):
-            return proc, json.loads(line)["endpoint"]
-    raise RuntimeError(f"akv prefill exited ({proc.wait()}) before it was ready")
+    )
 
 
 def _requests(w: Workload, num_blocks: int, rng: np.random.Generator) -> list[tuple[str, Any, Any]]:
@@ -423,7 +414,9 @@ def _table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
 def _table_prep_fresh(blocks: int) -> dict[str, float]:
     """:func:`_table_prep` in a fresh process, so that memory figures are not hidden by reuse."""
     code = f"import json; from akv.bench import _table_prep; print(json.dumps(_table_prep({blocks})))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
+    )
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 

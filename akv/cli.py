@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import secrets
+import subprocess
 import sys
 import time
 import uuid
@@ -29,7 +30,7 @@ from akv._log import configure_cli_logging
 from akv.errors import AkvError
 from akv.spec import KVSpec
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "fetch_requests", "main", "spawn_prefill"]
 
 EXIT_OK, EXIT_FAILED, EXIT_EXPIRED, EXIT_USAGE = 0, 1, 2, 64
 
@@ -311,6 +312,22 @@ def _report(a: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
         emit(summary)
     else:
         print(text)
+
+
+def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """Start ``akv prefill ARGV --json`` in another process; returns it and its endpoint.
+
+    For demos, examples, tests and benchmarks. Raises :class:`RuntimeError` if the process
+    exits before printing its ``ready`` line.
+    """
+    cmd = [sys.executable, "-m", "akv", "prefill", *argv, "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    for line in proc.stdout or ():
+        if line.startswith("{"):  # UCX may print its own lines to stdout
+            msg = json.loads(line)
+            if msg.get("event") == "ready":
+                return proc, str(msg["endpoint"])
+    raise RuntimeError(f"akv prefill exited ({proc.wait()}) before it was ready: {' '.join(cmd)}")
 
 
 # -- decode ---------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import secrets
 import time
-import uuid
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 from akv import tp
 from akv._log import get_logger
 from akv._poll import Backoff
+from akv._rank import RankBase
 from akv.backend import NixlBackend, XferHandle
 from akv.control import Endpoint, HandshakeResult, client_handshake, parse_endpoint, resolve_secret
 from akv.errors import (
@@ -30,10 +30,8 @@ from akv.errors import (
     TransferError,
     TransferTimeout,
 )
-from akv.metrics import Metrics
 from akv.plan import RankMemory, ReadOp, RequestReads, TransferPlan, request_key
 from akv.spec import KVSpec
-from akv.tensors import check_kv_cache
 from akv.wire import Challenge, Hello, Notice, encode_notice
 
 __all__ = ["Consumer", "PullRequest", "Transfer", "TransferResult", "TransferSession"]
@@ -359,7 +357,7 @@ class TransferSession:
         self.consumer._sessions.pop(str(self.endpoint), None)
 
 
-class Consumer:
+class Consumer(RankBase):
     """One decode rank: registers its KV cache, connects to prefill engines, runs the poller.
 
     Use as an async context manager; :meth:`connect` returns a cached
@@ -384,57 +382,36 @@ class Consumer:
         spin_s: float = 0.002,
         poll_max_s: float = 0.002,
     ) -> None:
-        spec.validate()
-        if spec.kind == "dense":
-            tp.held_heads(tp_rank, tp_size, spec.kv_heads)
-        else:
-            tp.check_tp(tp_rank, tp_size)
-        check_kv_cache(kv_caches, spec, tp_rank, tp_size)
+        super().__init__(
+            kv_caches,
+            spec,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            engine_id=engine_id,
+            backend=backend,
+            progress_thread=progress_thread,
+            spin_s=spin_s,
+            poll_max_s=poll_max_s,
+        )
         if not transfer_timeout > 0:
             raise ConfigError(f"transfer_timeout must be > 0, got {transfer_timeout}")
-        self.kv_caches = list(kv_caches)
-        self.spec = spec
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.engine_id = engine_id
         self.secret = resolve_secret(secret)
         self.connect_timeout = connect_timeout
         self.handshake_timeout = handshake_timeout
         self.transfer_timeout = transfer_timeout
         self.retries = retries
-        self.metrics = Metrics()
         self.mem_type, device = NixlBackend.mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
-        self._backend = backend
-        self._progress_thread = progress_thread
-        self._spin_s = spin_s
-        self._poll_max_s = poll_max_s
         self._sessions: dict[str, TransferSession] = {}
         self._connecting: dict[str, anyio.Event] = {}
         self._local_dlists: dict[Any, Any] = {}
         self._inflight: set[Transfer] = set()
         self._zombies: set[XferHandle] = set()
-        self._tg: Any = None
-        self._backoff: Backoff | None = None
-        self.closed = False
-
-    @property
-    def backend(self) -> NixlBackend:
-        """The NIXL backend (valid inside the context manager)."""
-        if self._backend is None or self._backend.closed:
-            raise ClosedError("the consumer is not running")
-        return self._backend
 
     async def __aenter__(self) -> Consumer:
-        if self._backend is None:
-            name = f"{self.engine_id}-d{self.tp_rank}-{uuid.uuid4().hex[:8]}"
-            self._backend = NixlBackend(name, progress_thread=self._progress_thread)
         try:
-            self._backend.register(self.kv_caches)
-            self._backoff = Backoff(spin_s=self._spin_s, max_sleep_s=self._poll_max_s)
-            self._tg = anyio.create_task_group()
-            await self._tg.__aenter__()
-            self._tg.start_soon(self._poll)
+            tg = await self._start()
+            tg.start_soon(self._poll)
         except BaseException:
             await self.aclose()
             raise
@@ -448,9 +425,7 @@ class Consumer:
         if self.closed:
             return
         self.closed = True
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
+        await self._stop_tasks()
         for transfer in list(self._inflight):
             self._fail(transfer, ClosedError("the consumer was closed"))
         for session in list(self._sessions.values()):

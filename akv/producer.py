@@ -6,10 +6,9 @@ import contextlib
 import heapq
 import math
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import numpy as np
@@ -20,13 +19,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from akv import tp
 from akv._log import get_logger
 from akv._poll import Backoff
+from akv._rank import RankBase
 from akv.backend import NixlBackend
 from akv.control import ControlServer, Endpoint
 from akv.errors import AkvError, ClosedError, ConfigError, ProtocolError, UnknownRequestError
-from akv.metrics import Metrics
 from akv.plan import check_block_ids
 from akv.spec import KVSpec
-from akv.tensors import check_kv_cache
 from akv.wire import Notice, RankInfo, decode_notice
 
 __all__ = ["Producer", "Release"]
@@ -60,7 +58,7 @@ class _Exposure:
     decode_tp: int | None = None
 
 
-class Producer:
+class Producer(RankBase):
     """One prefill rank: registers its KV cache, serves handshakes and tracks exposed blocks.
 
     Use as an async context manager. :meth:`expose` pins a request's blocks until every
@@ -91,56 +89,42 @@ class Producer:
         poll_max_s: float = 0.002,
         spin_s: float = 0.002,
     ) -> None:
-        spec.validate()
-        if spec.kind == "dense":
-            tp.held_heads(tp_rank, tp_size, spec.kv_heads)
-        else:
-            tp.check_tp(tp_rank, tp_size)
-        check_kv_cache(kv_caches, spec, tp_rank, tp_size)
+        super().__init__(
+            kv_caches,
+            spec,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            engine_id=engine_id,
+            backend=backend,
+            progress_thread=progress_thread,
+            spin_s=spin_s,
+            poll_max_s=poll_max_s,
+        )
         if not lease > 0:
             raise ConfigError(f"lease must be > 0 seconds, got {lease}")
-        self.kv_caches = list(kv_caches)
-        self.spec = spec
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.engine_id = engine_id
         self.lease_s = float(lease)
         self.on_release = on_release
-        self.metrics = Metrics()
         self._own_server = server is None
         self.server = server or ControlServer(
             host=host, port=port, secret=secret, allow_insecure=allow_insecure, metrics=self.metrics
         )
-        self._backend = backend
-        self._progress_thread = progress_thread
-        self._poll_max_s = poll_max_s
-        self._spin_s = spin_s
         self._exposed: dict[str, _Exposure] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._peers: dict[str, int] = {}
         self._expected: dict[int, int] = {}
         self._streams: list[MemoryObjectSendStream[Release]] = []
-        self._tg: Any = None
-        self._backoff: Backoff | None = None
-        self._closed = False
         self._info: RankInfo | None = None
         self._idle: anyio.Event | None = None
 
     # -- lifetime -----------------------------------------------------------------------
 
     async def __aenter__(self) -> Producer:
-        if self._backend is None:
-            name = f"{self.engine_id}-p{self.tp_rank}-{uuid.uuid4().hex[:8]}"
-            self._backend = NixlBackend(name, progress_thread=self._progress_thread)
         try:
-            self._backend.register(self.kv_caches)
-            self._backoff = Backoff(spin_s=self._spin_s, max_sleep_s=self._poll_max_s)
-            self._tg = anyio.create_task_group()
-            await self._tg.__aenter__()
+            tg = await self._start()
             self.server.add(self)
             if self._own_server:
-                await self._tg.start(self.server.serve)
-            self._tg.start_soon(self._poll)
+                await tg.start(self.server.serve)
+            tg.start_soon(self._poll)
         except BaseException:
             await self._shutdown()
             raise
@@ -150,13 +134,11 @@ class Producer:
         await self._shutdown()
 
     async def _shutdown(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self.server.remove(self)
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
+        await self._stop_tasks()
         for rid in list(self._exposed):
             self._release(rid, "closed")
         for stream in self._streams:
@@ -168,13 +150,6 @@ class Producer:
     def endpoint(self) -> Endpoint:
         """The control endpoint decode ranks connect to."""
         return self.server.endpoint
-
-    @property
-    def backend(self) -> NixlBackend:
-        """The NIXL backend (valid inside the context manager)."""
-        if self._backend is None:
-            raise ClosedError("the producer is not running")
-        return self._backend
 
     # -- handshake hooks (called by the control server) ---------------------------------
 
@@ -228,7 +203,7 @@ class Producer:
         Raises :class:`BlockIdError` for bad ids, :class:`ConfigError` for a request id
         already exposed, :class:`ClosedError` when not running.
         """
-        if self._closed or self._tg is None:
+        if self.closed or self._tg is None:
             raise ClosedError("the producer is not running")
         ids = check_block_ids(block_ids, self.spec.num_blocks, f"request {request_id!r}")
         if request_id in self._exposed:
@@ -260,7 +235,7 @@ class Producer:
     def releases(self) -> MemoryObjectReceiveStream[Release]:
         """A stream of releases from now on (iterate with ``async for``)."""
         send, receive = anyio.create_memory_object_stream[Release](max_buffer_size=math.inf)
-        if self._closed:
+        if self.closed:
             send.close()
         else:
             self._streams.append(send)

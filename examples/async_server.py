@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 import akv
+from akv.cli import spawn_prefill
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -124,23 +125,7 @@ def free_port() -> int:
 
 def start_prefill() -> tuple[subprocess.Popen[str], str]:
     """Start an ``akv prefill`` peer (TP 2, six requests); returns it and its endpoint."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "akv",
-        "prefill",
-        "--tp-size",
-        "2",
-        "--requests",
-        "6",
-        "--json",
-        "--timeout",
-        "120",
-        *MODEL_ARGS,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    return proc, next(json.loads(ln)["endpoint"] for ln in proc.stdout if ln.startswith("{"))
+    return spawn_prefill("--tp-size", "2", "--requests", "6", "--timeout", "120", *MODEL_ARGS)
 
 
 async def main(endpoint: str) -> int:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 
 import numpy as np
@@ -12,7 +10,7 @@ import torch
 import trio
 
 import akv
-from akv.cli import fetch_requests
+from akv.cli import fetch_requests, spawn_prefill
 from akv.fill import expected_blocks
 
 SPEC = akv.KVSpec.create(layers=2, num_blocks=128, block_size=16, kv_heads=4, head_dim=64, dtype="bfloat16")
@@ -61,27 +59,10 @@ async def main(endpoint: str) -> int:
 
 
 if __name__ == "__main__":
-    peer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "akv",
-            "prefill",
-            "--tp-size",
-            "4",
-            "--requests",
-            "8",
-            "--json",
-            "--timeout",
-            "120",
-            *MODEL_ARGS,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    peer, prefill_endpoint = spawn_prefill(
+        "--tp-size", "4", "--requests", "8", "--timeout", "120", *MODEL_ARGS
     )
     try:
-        assert peer.stdout is not None
-        prefill_endpoint = next(json.loads(ln)["endpoint"] for ln in peer.stdout if ln.startswith("{"))
         sys.exit(trio.run(main, prefill_endpoint))
     finally:
         peer.kill()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 import akv
+from akv.cli import spawn_prefill
 from akv.fill import expected_blocks
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -50,11 +50,7 @@ def prefill_process(
     tp_size: int, kv_heads: int, *extra: str, requests: int = 6, env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """Run ``akv prefill`` in another process; yields (process, endpoint)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "akv",
-        "prefill",
+    proc, endpoint = spawn_prefill(
         "--tp-size",
         str(tp_size),
         "--kv-heads",
@@ -63,18 +59,14 @@ def prefill_process(
         str(requests),
         "--blocks-per-request",
         "4",
-        "--json",
         "--timeout",
         "60",
         *MODEL,
         *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        env=env,
+    )
     try:
-        assert proc.stdout is not None
-        ready = read_json_line(proc)
-        assert ready["event"] == "ready", ready
-        yield proc, ready["endpoint"]
+        yield proc, endpoint
     finally:
         if proc.poll() is None:
             proc.kill()

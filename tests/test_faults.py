@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 import akv
-from akv.cli import build_parser, fetch_requests, spec_from_args
+from akv.cli import build_parser, fetch_requests, spawn_prefill, spec_from_args
 from tests.conftest import prefill_process, read_json_line, summary_of, verify
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -28,11 +28,7 @@ def big_spec() -> akv.KVSpec:
 
 
 def start_prefill(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "akv",
-        "prefill",
+    return spawn_prefill(
         "--tp-size",
         "1",
         "--kv-heads",
@@ -41,15 +37,12 @@ def start_prefill(*extra: str, env: dict[str, str] | None = None) -> tuple[subpr
         "8",
         "--blocks-per-request",
         "16",
-        "--json",
         "--timeout",
         "60",
         *BIG,
         *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    ready = read_json_line(proc)
-    return proc, str(ready["endpoint"])
+        env=env,
+    )
 
 
 async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes(
