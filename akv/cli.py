@@ -32,7 +32,7 @@ from akv.spec import KVSpec
 
 __all__ = ["build_parser", "fetch_requests", "main", "spawn_prefill"]
 
-EXIT_OK, EXIT_FAILED, EXIT_EXPIRED, EXIT_USAGE = 0, 1, 2, 64
+EXIT_OK, EXIT_FAILED, EXIT_EXPIRED, EXIT_USAGE = 0, 1, 3, 64  # 2 is argparse's usage error
 
 
 def emit(obj: dict[str, Any]) -> None:

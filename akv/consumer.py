@@ -25,7 +25,6 @@ from akv.errors import (
     BackendError,
     ClosedError,
     ConfigError,
-    HandshakeError,
     PeerLostError,
     TransferError,
     TransferTimeout,
@@ -195,8 +194,6 @@ class TransferSession:
         except AkvError:
             c.metrics.inc("handshakes_failed")
             raise
-        except ConfigError as exc:  # pragma: no cover - choose() raises ConfigError subclasses
-            raise HandshakeError(str(exc)) from exc
         try:
             self._load(result)
         except BaseException:

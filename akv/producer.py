@@ -112,6 +112,7 @@ class Producer(RankBase):
         self._deadlines: list[tuple[float, str]] = []
         self._peers: dict[str, int] = {}
         self._expected: dict[int, int] = {}
+        self._notifiers: dict[tuple[int, int], bool] = {}
         self._streams: list[MemoryObjectSendStream[Release]] = []
         self._info: RankInfo | None = None
         self._idle: anyio.Event | None = None
@@ -278,21 +279,28 @@ class Producer(RankBase):
 
     # -- polling ------------------------------------------------------------------------
 
-    def _on_notice(self, notice: Notice) -> None:
-        decode_tp = self._peers.get(notice.engine_id)
-        valid = decode_tp == notice.decode_tp and 0 <= notice.decode_rank < notice.decode_tp
-        if valid:
+    def _accepts(self, engine_id: str, decode_rank: int, decode_tp: int) -> bool:
+        """True if that decode rank handshook with this engine and notifies this rank."""
+        if self._peers.get(engine_id) != decode_tp or not 0 <= decode_rank < decode_tp:
+            return False
+        key = (decode_rank, decode_tp)
+        ok = self._notifiers.get(key)
+        if ok is None:
             try:
                 ranks = tp.notify_ranks(
-                    decode_rank=notice.decode_rank,
-                    decode_tp=notice.decode_tp,
+                    decode_rank=decode_rank,
+                    decode_tp=decode_tp,
                     prefill_tp=self.tp_size,
                     kv_heads=self.spec.kv_heads,
                     mla=self.spec.kind == "mla",
                 )
             except ConfigError:
                 ranks = ()
-            valid = self.tp_rank in ranks
+            ok = self._notifiers[key] = self.tp_rank in ranks
+        return ok
+
+    def _on_notice(self, notice: Notice) -> None:
+        valid = self._accepts(notice.engine_id, notice.decode_rank, notice.decode_tp)
         if not valid:
             self.metrics.inc("notifications_invalid")
             log.warning(
