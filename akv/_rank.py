@@ -11,6 +11,7 @@ import anyio
 import torch
 
 from akv import tp
+from akv._log import get_logger
 from akv._poll import Backoff
 from akv.backend import NixlBackend
 from akv.errors import ClosedError
@@ -52,6 +53,7 @@ class RankBase:
         self.engine_id = engine_id
         self.metrics = Metrics()
         self.closed = False
+        self._log = get_logger(type(self).__module__).bind(engine=engine_id, rank=tp_rank)
         self._backend = backend
         self._progress_thread = progress_thread
         self._spin_s = spin_s

@@ -15,7 +15,6 @@ import numpy.typing as npt
 import torch
 
 from akv import tp
-from akv._log import get_logger
 from akv._poll import Backoff
 from akv._rank import RankBase
 from akv.backend import NixlBackend, XferHandle
@@ -34,8 +33,6 @@ from akv.spec import KVSpec
 from akv.wire import Challenge, Hello, Notice, encode_notice
 
 __all__ = ["Consumer", "PullRequest", "Transfer", "TransferResult", "TransferSession"]
-
-log = get_logger("akv.consumer")
 
 
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +144,7 @@ class TransferSession:
     def __init__(self, consumer: Consumer, endpoint: Endpoint) -> None:
         self.consumer = consumer
         self.endpoint = endpoint
+        self._log = consumer._log.bind(endpoint=str(endpoint))
         self.remote_engine_id = ""
         self.prefill_tp = 0
         self.lease_s = 0.0
@@ -201,14 +199,7 @@ class TransferSession:
             c.metrics.inc("handshakes_failed")
             raise
         c.metrics.inc("handshakes")
-        log.info(
-            "handshake done",
-            engine=c.engine_id,
-            rank=c.tp_rank,
-            remote=self.remote_engine_id,
-            endpoint=str(self.endpoint),
-            prefill_tp=self.prefill_tp,
-        )
+        self._log.info("handshake done", remote=self.remote_engine_id, prefill_tp=self.prefill_tp)
 
     def _load(self, result: HandshakeResult) -> None:
         c = self.consumer
@@ -331,8 +322,10 @@ class TransferSession:
                 self.consumer.backend.notify(self._agents[rank], notice)
                 self.consumer.metrics.inc("notifications_sent")
             except (AkvError, KeyError) as exc:
-                log.warning(
-                    "notifying a prefill rank failed; it will release by lease", rank=rank, error=str(exc)
+                self._log.warning(
+                    "notifying a prefill rank failed; it will release by lease",
+                    prefill_rank=rank,
+                    error=str(exc),
                 )
 
     async def heartbeat(self, request_ids: Sequence[str]) -> None:
@@ -497,10 +490,8 @@ class Consumer(RankBase):
             self.metrics.inc(
                 "transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed"
             )
-            log.info(
+            self._log.info(
                 "transfer failed",
-                engine=self.engine_id,
-                rank=self.tp_rank,
                 request=transfer.request_id,
                 error=str(error),
             )

@@ -17,7 +17,6 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from akv import tp
-from akv._log import get_logger
 from akv._poll import Backoff
 from akv._rank import RankBase
 from akv.backend import NixlBackend
@@ -29,7 +28,6 @@ from akv.wire import Notice, RankInfo, decode_notice
 
 __all__ = ["Producer", "Release"]
 
-log = get_logger("akv.producer")
 
 ReleaseReason = Literal["read", "expired", "closed"]
 
@@ -171,10 +169,8 @@ class Producer(RankBase):
     def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int) -> None:
         """Remember a decode engine's TP size (it fixes how many notifications to expect)."""
         self._peers[engine_id] = decode_tp
-        log.info(
+        self._log.info(
             "decode rank connected",
-            engine=self.engine_id,
-            rank=self.tp_rank,
             peer=engine_id,
             decode_rank=decode_rank,
             decode_tp=decode_tp,
@@ -259,10 +255,8 @@ class Producer(RankBase):
         release = Release(request_id, exp.block_ids, reason, len(exp.readers), expected)
         self.metrics.inc(f"released_{reason}")
         if reason != "read":
-            log.info(
+            self._log.info(
                 "blocks released",
-                engine=self.engine_id,
-                rank=self.tp_rank,
                 request=request_id,
                 reason=reason,
                 notified=len(exp.readers),
@@ -272,7 +266,7 @@ class Producer(RankBase):
             try:
                 self.on_release(release)
             except Exception:
-                log.exception("on_release callback failed", request=request_id)
+                self._log.exception("on_release callback failed", request=request_id)
         for stream in self._streams:
             with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
                 stream.send_nowait(release)
@@ -303,10 +297,8 @@ class Producer(RankBase):
         valid = self._accepts(notice.engine_id, notice.decode_rank, notice.decode_tp)
         if not valid:
             self.metrics.inc("notifications_invalid")
-            log.warning(
+            self._log.warning(
                 "notification from an unexpected decode rank ignored",
-                engine=self.engine_id,
-                rank=self.tp_rank,
                 peer=notice.engine_id,
                 decode_rank=notice.decode_rank,
                 decode_tp=notice.decode_tp,
@@ -316,7 +308,7 @@ class Producer(RankBase):
             exp = self._exposed.get(rid)
             if exp is None:
                 self.metrics.inc("notifications_unknown")
-                log.debug("notification for an unknown request", request=rid, kind=notice.kind)
+                self._log.debug("notification for an unknown request", request=rid, kind=notice.kind)
                 continue
             if notice.kind == "extend":
                 self.extend(rid)
@@ -360,6 +352,6 @@ class Producer(RankBase):
                 if self._drain():
                     backoff.progressed()
             except AkvError as exc:
-                log.warning("draining notifications failed", error=str(exc))
+                self._log.warning("draining notifications failed", error=str(exc))
             until = self._expire(time.monotonic())
             await backoff.wait(busy=bool(self._exposed), limit=until)

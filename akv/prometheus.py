@@ -17,6 +17,11 @@ __all__ = ["PrometheusExporter"]
 _SECONDS_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(12, 34, 2))
 _DESC_BUCKETS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
+_HISTOGRAMS = (
+    ("transfer_seconds", "Duration of completed pulls", _SECONDS_BUCKETS),
+    ("transfer_bytes", "Bytes moved by completed pulls", _BYTES_BUCKETS),
+    ("transfer_descriptors", "Descriptors submitted per completed pull", _DESC_BUCKETS),
+)
 
 
 class PrometheusExporter:
@@ -39,33 +44,16 @@ class PrometheusExporter:
         registry = registry if registry is not None else prom.REGISTRY
         shared = self._collectors.setdefault(id(registry), {})
         if not shared:
-            shared["transfer_seconds"] = prom.Histogram(
-                "akv_transfer_seconds",
-                "Duration of completed pulls",
-                ["engine"],
-                buckets=_SECONDS_BUCKETS,
-                registry=registry,
-            )
-            shared["transfer_bytes"] = prom.Histogram(
-                "akv_transfer_bytes",
-                "Bytes moved by completed pulls",
-                ["engine"],
-                buckets=_BYTES_BUCKETS,
-                registry=registry,
-            )
-            shared["transfer_descriptors"] = prom.Histogram(
-                "akv_transfer_descriptors",
-                "Descriptors submitted per completed pull",
-                ["engine"],
-                buckets=_DESC_BUCKETS,
-                registry=registry,
-            )
+            for name, doc, buckets in _HISTOGRAMS:
+                shared[name] = prom.Histogram(
+                    f"akv_{name}", doc, ["engine"], buckets=buckets, registry=registry
+                )
             for name in COUNTERS:
                 shared[name] = prom.Counter(
                     f"akv_{name}", f"akv counter {name}", ["engine"], registry=registry
                 )
         self._children = {name: c.labels(engine=engine) for name, c in shared.items()}
-        self._histograms = {"transfer_seconds", "transfer_bytes", "transfer_descriptors"}
+        self._histograms = {name for name, _, _ in _HISTOGRAMS}
         for name, value in metrics.counters.items():  # what happened before the exporter existed
             if value and name in self._children and name not in self._histograms:
                 self._children[name].inc(value)
