@@ -57,7 +57,7 @@ def gpu(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """`akv bench` (pass --quick, --plot FILE.png, --json after --)."""
-    install(session, "test")
+    install(session, "bench")
     session.run("akv", "bench", *session.posargs)
 
 

@@ -528,8 +528,14 @@ def add_bench_parser(sub: Any) -> None:
         tty = sys.stderr.isatty()
         started = time.monotonic()
 
+        steps = 2 * len(WORKLOADS) + 2  # warm-up and measurement per workload; poller; tables
+        done = [0]
+
         def progress(step: str) -> None:
-            line = f"[{time.monotonic() - started:6.1f}s] {step}"
+            done[0] += 1
+            filled = 24 * min(done[0], steps) // steps
+            bar = f"[{'#' * filled}{'.' * (24 - filled)}] {done[0]}/{steps}"
+            line = f"{bar} {time.monotonic() - started:6.1f}s  {step}"
             sys.stderr.write(("\r\033[K" + line) if tty else line + "\n")
             sys.stderr.flush()
 
