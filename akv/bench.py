@@ -128,13 +128,6 @@ def _requests(w: Workload, num_blocks: int, rng: np.random.Generator) -> list[tu
     return out
 
 
-def _spin(agent: Any, handles: list[Any]) -> None:
-    for h in handles:
-        while agent.check_xfer_state(h) == "PROC":
-            pass
-        agent.release_xfer_handle(h)
-
-
 async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], None]) -> Figures:
 
     import akv
@@ -221,6 +214,8 @@ class _Methods:
         row = max(op.bytes_per_block for s in sessions for v in s.plan.variants for op in v.ops)
         self.src = torch.zeros((spec.num_blocks, row * len(sessions)), dtype=torch.uint8)
         self.dst = torch.zeros_like(self.src)
+        # bytes one block moves on all decode ranks (the same for every replica choice)
+        self.width = sum(s.plan.variants[0].bytes_per_block for s in sessions)
 
     async def run(self, method: str, batch: list[tuple[str, Any, Any]], record: bool) -> tuple[int, float]:
         if method == "akv":
@@ -298,8 +293,8 @@ class _Methods:
         """Torch row copies of the same number of bytes for the same block ids, in-process."""
         total = 0
         t0 = time.perf_counter()
+        width = self.width
         for _, local, remote in batch:
-            width = sum(op.bytes_per_block for s in self.sessions for op in s.plan.reads(self.key("x")).ops)
             for lb, rb in zip(local.tolist(), remote.tolist(), strict=True):
                 self.dst[lb, :width].copy_(self.src[rb, :width])
             total += width * len(local)

@@ -317,7 +317,7 @@ def _report(a: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
 def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
     """Start ``akv prefill ARGV --json`` in another process; returns it and its endpoint.
 
-    For demos, examples, tests and benchmarks. Raises :class:`RuntimeError` if the process
+    For demos, examples, tests and benchmarks. Raises :class:`AkvError` if the process
     exits before printing its ``ready`` line.
     """
     cmd = [sys.executable, "-m", "akv", "prefill", *argv, "--json"]
@@ -327,7 +327,7 @@ def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subpro
             msg = json.loads(line)
             if msg.get("event") == "ready":
                 return proc, str(msg["endpoint"])
-    raise RuntimeError(f"akv prefill exited ({proc.wait()}) before it was ready: {' '.join(cmd)}")
+    raise AkvError(f"akv prefill exited ({proc.wait()}) before it was ready: {' '.join(cmd)}")
 
 
 # -- decode ---------------------------------------------------------------------------------

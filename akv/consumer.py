@@ -70,15 +70,16 @@ class Transfer:
         session: TransferSession,
         request_id: str,
         reads: RequestReads,
-        nbytes: int,
-        descriptors: int,
+        nblocks: int,
+        notice: bytes,
         timeout: float,
     ) -> None:
         self.session = session
         self.request_id = request_id
         self._reads = reads
-        self._bytes = nbytes
-        self._descriptors = descriptors
+        self._bytes = reads.bytes_per_block * nblocks
+        self._descriptors = reads.segments * nblocks
+        self._notice = notice  # the "done" notification, sent by the reads and to the other ranks
         self.started = time.monotonic()
         self.deadline = self.started + timeout
         self.last_heartbeat = self.started
@@ -276,14 +277,12 @@ class TransferSession:
         reads = plan.reads(request_key(request.request_id))
         notice = encode_notice(Notice("done", c.engine_id, c.tp_rank, c.tp_size, [request.request_id]))
         nblocks = int(local.size)
-        nbytes = sum(op.bytes_per_block for op in reads.ops) * nblocks
-        ndesc = sum(op.segments for op in reads.ops) * nblocks
         transfer = Transfer(
             self,
             request.request_id,
             reads,
-            nbytes,
-            ndesc,
+            nblocks,
+            notice,
             c.transfer_timeout if transfer_timeout is None else transfer_timeout,
         )
         if nblocks:
@@ -507,10 +506,7 @@ class Consumer(RankBase):
         else:
             ranks = session.plan.notify if session.plan else ()
         if ranks:
-            notice = encode_notice(
-                Notice("done", self.engine_id, self.tp_rank, self.tp_size, [transfer.request_id])
-            )
-            session._notify(ranks, notice)
+            session._notify(ranks, transfer._notice)
         transfer._finish()
         if transfer._result is not None:
             r = transfer._result

@@ -229,10 +229,13 @@ class ServerConversation:
         if unknown:
             return self._fail("unknown_rank", f"prefill ranks {unknown} are not served here")
         infos = []
-        for rank in sorted(set(msg.ranks)):
-            hosted = self.ranks[rank]
-            hosted.peer_connected(hello.engine_id, hello.tp_rank, hello.tp_size)
-            infos.append(hosted.rank_info())
+        try:
+            for rank in sorted(set(msg.ranks)):
+                hosted = self.ranks[rank]
+                hosted.peer_connected(hello.engine_id, hello.tp_rank, hello.tp_size)
+                infos.append(hosted.rank_info())
+        except AkvError as exc:  # e.g. a rank shutting down: fail this handshake, keep serving
+            return self._fail("config", f"prefill rank unavailable: {exc}")
         self.state = "authed"
         self.metrics.inc("handshakes_served")
         return [Metadata(ranks=infos, mac=mac)], False
@@ -342,6 +345,8 @@ class ControlServer:
                     await self._converse(stream, conn)
             except (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError, OSError):
                 pass
+            except AkvError as exc:  # never let one connection take the listener down
+                log.warning("control connection failed", error=str(exc))
             finally:
                 self._conns.pop(id(conn), None)
 
@@ -400,9 +405,8 @@ def _raise_error(err: Error) -> None:
 
 
 class _Client:
-    def __init__(self, stream: SocketStream, timeout: float) -> None:
+    def __init__(self, stream: SocketStream) -> None:
         self.stream = stream
-        self.timeout = timeout
         self.frames = FrameBuffer(DEFAULT_CLIENT_MAX_FRAME)
         self.pending: list[bytes] = []
 
@@ -493,9 +497,7 @@ async def client_handshake(
         async with stream:
             try:
                 with anyio.fail_after(handshake_timeout):
-                    return await _converse_client(
-                        _Client(stream, handshake_timeout), hello, secret, choose_ranks, list_requests
-                    )
+                    return await _converse_client(_Client(stream), hello, secret, choose_ranks, list_requests)
             except TimeoutError:
                 raise HandshakeError(
                     f"handshake with {endpoint} timed out after {handshake_timeout}s (hung peer?)"

@@ -142,6 +142,8 @@ class RequestReads:
 
     ops: tuple[ReadOp, ...]
     standalone_notify: tuple[int, ...]
+    bytes_per_block: int = 0  # summed over ops: a request moves this many bytes per local block
+    segments: int = 0  # descriptors per local block, summed over ops
 
 
 class TransferPlan:
@@ -227,7 +229,12 @@ class TransferPlan:
                 )
             )
         read_ranks = {op.remote_rank for op in ops}
-        return RequestReads(tuple(ops), tuple(r for r in plan.notify if r not in read_ranks))
+        return RequestReads(
+            tuple(ops),
+            tuple(r for r in plan.notify if r not in read_ranks),
+            sum(op.bytes_per_block for op in ops),
+            sum(op.segments for op in ops),
+        )
 
     def reads(self, key: int) -> RequestReads:
         """The reads for a request key (see :func:`request_key`)."""

@@ -26,11 +26,6 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def asyncio_only() -> str:
-    return "asyncio"
-
-
 MODEL = ["--layers", "2", "--blocks", "64", "--block-size", "4", "--head-dim", "16", "--dtype", "float16"]
 
 

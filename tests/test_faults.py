@@ -13,7 +13,7 @@ import pytest
 
 import akv
 from akv.cli import build_parser, fetch_requests, spawn_prefill, spec_from_args
-from tests.conftest import prefill_process, read_json_line, summary_of, verify
+from tests.conftest import MODEL, prefill_process, read_json_line, summary_of, verify
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -116,16 +116,7 @@ async def test_hung_peer_times_out_and_releases_by_lease() -> None:
                     "1",
                     "--kv-heads",
                     "4",
-                    "--layers",
-                    "2",
-                    "--blocks",
-                    "64",
-                    "--block-size",
-                    "4",
-                    "--head-dim",
-                    "16",
-                    "--dtype",
-                    "float16",
+                    *MODEL,
                 ]
             )
         )
@@ -196,16 +187,7 @@ async def test_decode_crash_after_handshake_releases_everything_by_lease_once() 
             "2",
             "--kv-heads",
             "4",
-            "--layers",
-            "2",
-            "--blocks",
-            "64",
-            "--block-size",
-            "4",
-            "--head-dim",
-            "16",
-            "--dtype",
-            "float16",
+            *MODEL,
             "--json",
             "--concurrency",
             "1",

@@ -137,6 +137,20 @@ def test_conversation_happy_path_and_mac_check() -> None:
     assert rank.peers == [("d", 0, 1)]
 
 
+def test_failing_rank_fails_only_that_handshake() -> None:
+    """A hosted rank that raises while describing itself ends that handshake with an Error."""
+    from akv.errors import ClosedError
+
+    class Closing(Rank):
+        def rank_info(self) -> RankInfo:
+            raise ClosedError("the producer is not running")
+
+    conv = ServerConversation({0: Closing()}, None)
+    conv.receive(hello())
+    (err,), done = conv.receive(MetadataRequest(ranks=[0]))
+    assert isinstance(err, Error) and err.code == "config" and "not running" in err.message and done
+
+
 def test_incompatible_hello_names_fields() -> None:
     """A Hello with another model shape is refused naming the differing fields."""
     other = KVSpec.create(layers=3, num_blocks=8, block_size=4, kv_heads=4, head_dim=8, dtype="float16")
