@@ -3,7 +3,7 @@
 Decode side::
 
     async with akv.Consumer(kv_caches, spec, tp_rank=r, tp_size=D) as consumer:
-        session = await consumer.connect("127.0.0.1:5555")
+        session = await consumer.connect(engine_address)
         transfer = await session.pull(akv.PullRequest(request_id=..., local_block_ids=...,
                                                       remote_block_ids=...))
         result = await transfer
@@ -12,10 +12,16 @@ Prefill side::
 
     async with akv.Producer(kv_caches, spec, tp_rank=r, tp_size=P, on_release=free) as producer:
         producer.expose(request_id, block_ids)
+
+``import akv`` is cheap: the names below are loaded on first use, so torch and nixl are
+imported only when a Producer, Consumer or tensor helper is actually used.
 """
 
-from akv.consumer import Consumer, PullRequest, Transfer, TransferResult, TransferSession
-from akv.control import ControlServer, Endpoint
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from akv.errors import (
     AkvError,
     AuthenticationError,
@@ -27,19 +33,66 @@ from akv.errors import (
     HandshakeError,
     IncompatiblePeerError,
     LayoutError,
+    LeaseExpiredError,
+    NotExposedError,
+    OutsideExposureError,
     PeerLostError,
     ProtocolError,
+    ReleasedError,
     TransferError,
     TransferTimeout,
     UnknownRequestError,
+    UnsafeReadError,
+    VersionMismatchError,
 )
-from akv.metrics import Metrics, MetricsSnapshot, TransferStats
-from akv.producer import Producer, Release
-from akv.spec import KVSpec
-from akv.tensors import allocate_kv_cache
-from akv.tp import expected_notifications, held_heads, plan_reads
+
+if TYPE_CHECKING:
+    from akv.geometry.spec import KVSpec
+    from akv.geometry.tensors import allocate_kv_cache
+    from akv.metrics import Metrics, MetricsSnapshot, TransferStats
+    from akv.protocol.address import Endpoint
+    from akv.runtime.consumer import Consumer
+    from akv.runtime.control import ControlServer
+    from akv.runtime.producer import Producer, Release
+    from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
+    from akv.sharding import expected_notifications, held_heads, plan_reads
 
 __version__ = "0.1.0"
+
+# name -> module that defines it (loaded on first attribute access)
+_LAZY: dict[str, str] = {
+    "Consumer": "akv.runtime.consumer",
+    "ControlServer": "akv.runtime.control",
+    "Endpoint": "akv.protocol.address",
+    "KVSpec": "akv.geometry.spec",
+    "Metrics": "akv.metrics",
+    "MetricsSnapshot": "akv.metrics",
+    "Producer": "akv.runtime.producer",
+    "PullRequest": "akv.runtime.session",
+    "Release": "akv.runtime.producer",
+    "Transfer": "akv.runtime.session",
+    "TransferResult": "akv.runtime.session",
+    "TransferSession": "akv.runtime.session",
+    "TransferStats": "akv.metrics",
+    "allocate_kv_cache": "akv.geometry.tensors",
+    "expected_notifications": "akv.sharding",
+    "held_heads": "akv.sharding",
+    "plan_reads": "akv.sharding",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'akv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "AkvError",
@@ -56,13 +109,17 @@ __all__ = [
     "IncompatiblePeerError",
     "KVSpec",
     "LayoutError",
+    "LeaseExpiredError",
     "Metrics",
     "MetricsSnapshot",
+    "NotExposedError",
+    "OutsideExposureError",
     "PeerLostError",
     "Producer",
     "ProtocolError",
     "PullRequest",
     "Release",
+    "ReleasedError",
     "Transfer",
     "TransferError",
     "TransferResult",
@@ -70,6 +127,8 @@ __all__ = [
     "TransferStats",
     "TransferTimeout",
     "UnknownRequestError",
+    "UnsafeReadError",
+    "VersionMismatchError",
     "__version__",
     "allocate_kv_cache",
     "expected_notifications",

@@ -13,11 +13,17 @@ __all__ = [
     "HandshakeError",
     "IncompatiblePeerError",
     "LayoutError",
+    "LeaseExpiredError",
+    "NotExposedError",
+    "OutsideExposureError",
     "PeerLostError",
     "ProtocolError",
+    "ReleasedError",
     "TransferError",
     "TransferTimeout",
     "UnknownRequestError",
+    "UnsafeReadError",
+    "VersionMismatchError",
 ]
 
 
@@ -52,6 +58,10 @@ class FrameError(ProtocolError):
     """A control frame is malformed, truncated or larger than allowed."""
 
 
+class VersionMismatchError(ProtocolError):
+    """The peer speaks another akv protocol version; run the same akv release on both engines."""
+
+
 class HandshakeError(AkvError):
     """The handshake with a remote engine failed (unreachable, timed out, refused)."""
 
@@ -80,8 +90,38 @@ class PeerLostError(TransferError):
     """The remote agent went away during or before a transfer; the session will re-handshake."""
 
 
-class TransferTimeout(TransferError):
+class TransferTimeout(TransferError, TimeoutError):
     """A transfer did not complete within its deadline (for example a hung peer)."""
+
+
+class UnsafeReadError(TransferError):
+    """The reads completed, but the remote blocks were not (all) exposed for this request when
+    they did: the bytes may belong to another request, so the pull is not a success.
+
+    ``prefill_rank`` names the rank whose blocks failed the check and ``block_ids`` the
+    remote block ids concerned.
+    """
+
+    def __init__(self, message: str, *, prefill_rank: int = -1, block_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.prefill_rank = prefill_rank
+        self.block_ids = block_ids
+
+
+class NotExposedError(UnsafeReadError):
+    """None of the blocks read is exposed for this request (never exposed there, or other blocks)."""
+
+
+class OutsideExposureError(UnsafeReadError):
+    """Some blocks read are exposed for this request and others are not: block ids outside its exposure."""
+
+
+class LeaseExpiredError(UnsafeReadError):
+    """The request's lease ran out and its blocks were released before the reads completed."""
+
+
+class ReleasedError(UnsafeReadError):
+    """The request was released (read by every reader, or the producer closed) before the reads completed."""
 
 
 class ClosedError(AkvError):

@@ -29,7 +29,10 @@ COUNTERS: tuple[str, ...] = (
     "exposed",
     "released_read",
     "released_expired",
+    "released_closed",
+    "releases_dropped",
     "lease_extensions",
+    "unsafe_reads",
 )
 
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from akv import tp
+from akv import sharding
 from akv.errors import BlockIdError, ConfigError, IncompatiblePeerError, LayoutError
-from akv.spec import KVSpec
+from akv.geometry.spec import KVSpec
 
 __all__ = [
     "RankMemory",
@@ -163,9 +163,7 @@ class TransferPlan:
     ) -> None:
         differ = local_spec.diff(remote_spec)
         if differ:
-            detail = ", ".join(
-                f"{f}: local={getattr(local_spec, f)!r} remote={getattr(remote_spec, f)!r}" for f in differ
-            )
+            detail = local_spec.describe_diff(remote_spec, "local", "remote")
             raise IncompatiblePeerError(f"KV specs differ ({detail})", differ)
         self.local_spec = local_spec
         self.remote_spec = remote_spec
@@ -175,17 +173,17 @@ class TransferPlan:
         self.prefill_tp = next(iter(remote.values())).tp_size if remote else 0
         mla = local_spec.kind == "mla"
         d, dt, pt, h = local.tp_rank, local.tp_size, self.prefill_tp, local_spec.kv_heads
-        self.notify: tuple[int, ...] = tp.notify_ranks(
-            decode_rank=d, decode_tp=dt, prefill_tp=pt, kv_heads=h, mla=mla
-        )
+        self.notify: tuple[int, ...] = local_spec.notify_ranks(d, dt, pt)
         missing = sorted(set(self.notify) - set(remote))
         if missing:
             raise ConfigError(f"no memory description for prefill ranks {missing}")
-        period = tp.read_period(decode_rank=d, decode_tp=dt, prefill_tp=pt, kv_heads=h, mla=mla)
+        period = sharding.read_period(decode_rank=d, decode_tp=dt, prefill_tp=pt, kv_heads=h, mla=mla)
         self.tables: dict[TableKey, npt.NDArray[np.int64]] = {}
         self.variants: tuple[RequestReads, ...] = tuple(
             self._variant(
-                tp.plan_reads(decode_rank=d, decode_tp=dt, prefill_tp=pt, kv_heads=h, mla=mla, request_key=k)
+                sharding.plan_reads(
+                    decode_rank=d, decode_tp=dt, prefill_tp=pt, kv_heads=h, mla=mla, request_key=k
+                )
             )
             for k in range(period)
         )
@@ -197,7 +195,7 @@ class TransferPlan:
         if key not in self.tables:
             self.tables[key] = build_table(spec, memory, heads)
 
-    def _variant(self, plan: tp.ReadPlan) -> RequestReads:
+    def _variant(self, plan: sharding.ReadPlan) -> RequestReads:
         local_all = self.local_spec.local_heads(self.local.tp_rank, self.local.tp_size)
         ops = []
         for read in plan.reads:
@@ -241,9 +239,14 @@ class TransferPlan:
         return self.variants[key % len(self.variants)]
 
     def block_ids(
-        self, local_ids: Sequence[int] | npt.ArrayLike, remote_ids: Sequence[int] | npt.ArrayLike
+        self,
+        local_ids: Sequence[int] | npt.ArrayLike,
+        remote_ids: Sequence[int] | npt.ArrayLike,
+        *,
+        tail: bool = True,
     ) -> tuple[IndexArray, IndexArray]:
-        """Validate a request's block ids; on a partial prefix hit keep the remote tail.
+        """Validate a request's block ids; on a partial prefix hit keep the remote tail
+        (``tail=False``: return every remote id).
 
         Raises :class:`BlockIdError` for bad ids or more local than remote blocks.
         """
@@ -254,7 +257,7 @@ class TransferPlan:
                 f"{local.size} local blocks but only {remote.size} remote blocks: "
                 "a decode rank cannot receive more blocks than the prefill rank exposed"
             )
-        if local.size < remote.size:  # partial prefix hit: the first blocks are cached locally
+        if tail and local.size < remote.size:  # partial prefix hit: the first blocks are cached locally
             remote = remote[remote.size - local.size :]
         return local, remote
 

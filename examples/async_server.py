@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 
 import akv
-from akv.cli import spawn_prefill
+from akv.testing import spawn_prefill
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -132,7 +132,7 @@ async def main(endpoint: str) -> int:
     import httpx
     import uvicorn
 
-    from akv.cli import fetch_requests
+    from akv.testing import fetch_requests
 
     requests = await fetch_requests(endpoint, SPEC, None, "router")
     port = free_port()

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import akv
-from akv.fill import expected_blocks
+from akv.testing import expected_blocks
 
 SPEC = akv.KVSpec.create(layers=4, num_blocks=128, block_size=16, kv_heads=8, head_dim=64, dtype="bfloat16")
 PREFILL_TP, DECODE_TP, REQUESTS = 2, 4, 12

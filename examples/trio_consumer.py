@@ -10,8 +10,7 @@ import torch
 import trio
 
 import akv
-from akv.cli import fetch_requests, spawn_prefill
-from akv.fill import expected_blocks
+from akv.testing import expected_blocks, fetch_requests, spawn_prefill
 
 SPEC = akv.KVSpec.create(layers=2, num_blocks=128, block_size=16, kv_heads=4, head_dim=64, dtype="bfloat16")
 MODEL_ARGS = [

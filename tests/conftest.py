@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import akv
-from akv.cli import spawn_prefill
-from akv.fill import expected_blocks
+from akv.testing import expected_blocks, spawn_prefill
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 

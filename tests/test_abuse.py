@@ -10,7 +10,9 @@ import time
 import msgspec
 import pytest
 
-from akv.cli import build_parser, fetch_requests, spec_from_args
+from akv.cli import build_parser
+from akv.cli.args import spec_from_args
+from akv.testing import fetch_requests
 from tests.conftest import MODEL, prefill_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import akv
-from akv.backend import NixlBackend, XferHandle, XferState
+from akv.backends import XferHandle, XferState
+from akv.backends.nixl import NixlBackend
 from akv.errors import PeerLostError, TransferError
-from akv.fill import expected_blocks
+from akv.testing import expected_blocks
 from tests.conftest import make_spec, verify
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -163,7 +164,7 @@ async def run_round(rng: random.Random, faults: Counter[str], n_requests: int, k
                     f"rank {prod.tp_rank} released {rid} {releases[(prod.tp_rank, rid)]} times"
                 )
         for c in consumers:
-            assert not c._inflight
+            assert not c.inflight
         tg.cancel_scope.cancel()
     return outcome
 

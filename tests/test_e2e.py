@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from akv.cli import run_decode
+from akv.cli.decode import run_decode
 from tests.conftest import MODEL, prefill_process, summary_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]

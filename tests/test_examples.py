@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from akv.cli import fetch_requests
+from akv.testing import fetch_requests
 from tests.conftest import prefill_process
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,9 @@ import anyio
 import pytest
 
 import akv
-from akv.cli import build_parser, fetch_requests, spawn_prefill, spec_from_args
+from akv.cli import build_parser
+from akv.cli.args import spec_from_args
+from akv.testing import fetch_requests, spawn_prefill
 from tests.conftest import MODEL, prefill_process, read_json_line, summary_of, verify
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -61,7 +63,7 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
             akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, transfer_timeout=10
         ) as consumer:
             sa, sb = await consumer.connect(ep_a), await consumer.connect(ep_b)
-            old_agent = sa._agents[0]
+            old_agent = sa.agents[0]
             ta = [
                 await sa.pull(r.request_id, list(range(i * 16, i * 16 + 16)), r.block_ids)
                 for i, r in enumerate(reqs_a[:6])
@@ -90,7 +92,7 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
             try:
                 r = reqs_a[7]
                 await (await sa.pull(r.request_id, list(range(16)), r.block_ids))
-                assert sa._agents[0] != old_agent  # new agent: stale metadata was dropped
+                assert sa.agents[0] != old_agent  # new agent: stale metadata was dropped
                 assert verify(consumer, list(range(16)), r.seed, range(16))
             finally:
                 reborn.kill()
@@ -165,7 +167,7 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
                 except akv.TransferTimeout:
                     results.append("timeout")
             assert "timeout" in results
-            assert not consumer._inflight
+            assert not consumer.inflight
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()

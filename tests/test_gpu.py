@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import akv
-from akv.fill import expected_blocks
+from akv.testing import expected_blocks
 from tests.conftest import make_spec
 
 pytestmark = [

@@ -9,11 +9,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from akv import tp
+from akv import sharding
 from akv.errors import BlockIdError, IncompatiblePeerError, LayoutError
-from akv.fill import expected_blocks
+from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory, TransferPlan, expand_table, request_key
-from akv.spec import KVSpec
+from akv.testing import expected_blocks
 
 Mem = list[npt.NDArray[np.uint8]]
 
@@ -224,7 +224,7 @@ def test_replica_reads_follow_request_keys() -> None:
     )
     assert len(plan.variants) == 4
     for key in range(8):
-        want = tp.plan_reads(decode_rank=0, decode_tp=1, prefill_tp=8, kv_heads=2, request_key=key)
+        want = sharding.plan_reads(decode_rank=0, decode_tp=1, prefill_tp=8, kv_heads=2, request_key=key)
         got = plan.reads(key)
         assert [op.remote_rank for op in got.ops] == [r.remote_rank for r in want.reads]
         assert set(got.standalone_notify) | {op.remote_rank for op in got.ops} == set(range(8))

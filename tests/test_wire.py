@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from akv.control import ServerConversation, _mac
 from akv.errors import AkvError, FrameError
-from akv.spec import KVSpec
-from akv.wire import (
+from akv.geometry.spec import KVSpec
+from akv.protocol.handshake import ServerConversation
+from akv.protocol.handshake import mac as _mac
+from akv.protocol.messages import (
     Challenge,
     Error,
     FrameBuffer,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from akv.errors import ConfigError
-from akv.spec import KVSpec
+from akv.geometry.spec import KVSpec
 
 __all__ = ["allocate_kv_cache", "check_kv_cache", "torch_dtype"]
 

@@ -21,7 +21,7 @@ from typing import Literal
 
 import msgspec
 
-from akv import tp
+from akv import sharding
 from akv.errors import ConfigError
 
 __all__ = ["COMPAT_FIELDS", "DTYPE_SIZES", "KVSpec"]
@@ -54,7 +54,7 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
     """The model-level shape of a paged KV cache plus this engine's pool size.
 
     ``kv_heads`` is the model's total number of KV heads (1 for MLA). Per-rank head counts
-    follow from the TP size (see :func:`akv.tp.held_heads`). Construct with
+    follow from the TP size (see :func:`akv.sharding.held_heads`). Construct with
     :meth:`KVSpec.create` to validate.
     """
 
@@ -114,9 +114,9 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
     def local_heads(self, tp_rank: int, tp_size: int) -> int:
         """Number of KV heads a rank stores (always 1 for MLA)."""
         if self.kind == "mla":
-            tp.check_tp(tp_rank, tp_size)
+            sharding.check_tp(tp_rank, tp_size)
             return 1
-        return len(tp.held_heads(tp_rank, tp_size, self.kv_heads))
+        return len(sharding.held_heads(tp_rank, tp_size, self.kv_heads))
 
     def head_bytes(self) -> int:
         """Bytes of one head of one plane of one block."""
@@ -149,3 +149,38 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
     def diff(self, other: KVSpec) -> tuple[str, ...]:
         """Names of the compatibility fields whose values differ."""
         return tuple(n for n in COMPAT_FIELDS if getattr(self, n) != getattr(other, n))
+
+    def describe_diff(self, other: KVSpec, ours: str, theirs: str) -> str:
+        """The differing fields with both values, e.g. ``"layers: prefill=4 decode=2"``."""
+        return ", ".join(
+            f"{f}: {ours}={getattr(self, f)!r} {theirs}={getattr(other, f)!r}" for f in self.diff(other)
+        )
+
+    # -- sharding of this model -----------------------------------------------------------
+
+    def notify_ranks(self, decode_rank: int, decode_tp: int, prefill_tp: int) -> tuple[int, ...]:
+        """The prefill ranks ``decode_rank`` notifies per request (see :func:`akv.sharding.notify_ranks`)."""
+        return sharding.notify_ranks(
+            decode_rank=decode_rank,
+            decode_tp=decode_tp,
+            prefill_tp=prefill_tp,
+            kv_heads=self.kv_heads,
+            mla=self.kind == "mla",
+        )
+
+    def expected_notifications(self, prefill_rank: int, prefill_tp: int, decode_tp: int) -> int:
+        """Decode ranks notifying ``prefill_rank`` per request (see :func:`akv.sharding.expected_notifications`)."""
+        return sharding.expected_notifications(
+            prefill_rank=prefill_rank,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
+            kv_heads=self.kv_heads,
+            mla=self.kind == "mla",
+        )
+
+    def check_rank(self, tp_rank: int, tp_size: int) -> None:
+        """Raise :class:`ConfigError` unless this model can be sharded onto ``tp_rank`` of ``tp_size``."""
+        if self.kind == "dense":
+            sharding.held_heads(tp_rank, tp_size, self.kv_heads)
+        else:
+            sharding.check_tp(tp_rank, tp_size)

@@ -18,8 +18,8 @@ from typing import Literal
 
 import msgspec
 
-from akv.errors import FrameError, ProtocolError
-from akv.spec import KVSpec
+from akv.errors import FrameError, ProtocolError, VersionMismatchError
+from akv.geometry.spec import KVSpec
 
 __all__ = [
     "DEFAULT_CLIENT_MAX_FRAME",
@@ -94,6 +94,8 @@ class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
     region_addrs: list[int]
     device_id: int = 0
     mem_type: str = "DRAM"
+    exposure_addr: int = 0  # the rank's exposure table (akv.exposure), registered as DRAM
+    exposure_buckets: int = 0
 
 
 class Metadata(_Msg, frozen=True, tag=True, kw_only=True):
@@ -149,13 +151,14 @@ def encode_frame(message: Message) -> bytes:
 
 
 def decode_message(body: bytes) -> Message:
-    """Decode one frame body; :class:`ProtocolError` for another version or a bad message."""
+    """Decode one frame body; :class:`VersionMismatchError` for another version, :class:`FrameError`
+    for a bad message."""
     try:
         probe = _probe.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError(f"undecodable frame: {exc}") from None
     if probe.v != PROTOCOL_VERSION:
-        raise ProtocolError(
+        raise VersionMismatchError(
             f"peer speaks akv protocol version {probe.v}, this side speaks {PROTOCOL_VERSION}: "
             "run the same akv release on both engines"
         )
@@ -207,6 +210,7 @@ class Notice(msgspec.Struct, frozen=True, array_like=True):
     decode_rank: int
     decode_tp: int
     request_ids: list[str]
+    digests: list[int] = []  # "done": the digest of each request's block ids (akv.exposure.digest)
 
 
 _notice_decoder = msgspec.msgpack.Decoder(Notice)

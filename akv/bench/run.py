@@ -77,26 +77,22 @@ class Figures:
     launch_nixl_us: list[float] = field(default_factory=list)
 
 
-def _model_argv(w: Workload, layers: int) -> list[str]:
-    argv = [
-        "--kv-heads",
-        str(w.kv_heads),
-        "--layers",
-        str(layers),
-        "--blocks",
-        "512",
-        "--block-size",
-        "16",
-        "--head-dim",
-        "576" if w.mla else "128",
-        "--dtype",
-        "bfloat16",
-    ]
-    return [*argv, "--mla"] if w.mla else argv
+def _spec(w: Workload, layers: int) -> Any:
+    from akv.geometry.spec import KVSpec
+
+    return KVSpec.create(
+        layers=layers,
+        num_blocks=512,
+        block_size=16,
+        kv_heads=1 if w.mla else w.kv_heads,
+        head_dim=576 if w.mla else 128,
+        dtype="bfloat16",
+        kind="mla" if w.mla else "dense",
+    )
 
 
 def _start_prefill(w: Workload, layers: int) -> tuple[subprocess.Popen[str], str]:
-    from akv.cli import spawn_prefill
+    from akv.testing import spawn_prefill, spec_argv
 
     return spawn_prefill(
         "--tp-size",
@@ -111,7 +107,7 @@ def _start_prefill(w: Workload, layers: int) -> tuple[subprocess.Popen[str], str
         "3600",
         "--timeout",
         "900",
-        *_model_argv(w, layers),
+        *spec_argv(_spec(w, layers)),
     )
 
 
@@ -131,19 +127,14 @@ def _requests(w: Workload, num_blocks: int, rng: np.random.Generator) -> list[tu
 async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], None]) -> Figures:
 
     import akv
-    from akv.backend import NixlBackend
-    from akv.cli import build_parser, spec_from_args
+    from akv.backends.nixl import NixlBackend
     from akv.plan import request_key
-    from akv.wire import Notice, encode_notice
+    from akv.protocol.messages import Notice, encode_notice
 
     proc, endpoint = _start_prefill(w, layers)
     fig = Figures(w.name)
     try:
-        spec = spec_from_args(
-            build_parser().parse_args(
-                ["decode", "--connect", endpoint, "--tp-size", str(w.decode_tp), *_model_argv(w, layers)]
-            )
-        )
+        spec = _spec(w, layers)
         rng = np.random.default_rng(7)
         reqs = _requests(w, spec.num_blocks, rng)
         async with AsyncExitStack() as stack:
@@ -206,7 +197,7 @@ class _Methods:
         self.expanded: dict[Any, Any] = {}
         for s, c in zip(sessions, consumers, strict=True):
             for tkey, table in s.plan.tables.items():
-                agent = "" if tkey[0] == "local" else s._agents[int(tkey[1])]
+                agent = "" if tkey[0] == "local" else s.agents[int(tkey[1])]
                 self.expanded[(id(c), tkey)] = c.backend.prep_expanded(agent, table, "DRAM")
         # One thread: torch's OpenMP workers spin after each copy and would steal this
         # machine's cores from whichever method runs next.
@@ -261,7 +252,7 @@ class _Methods:
                     lidx = (op.local_offsets + local[None, :]).ravel()
                     ridx = (op.remote_offsets + remote[None, :]).ravel()
                     if merge:
-                        dl, dr = s._dlists[op.local_table], s._dlists[op.remote_table]
+                        dl, dr = s.dlists[op.local_table], s.dlists[op.remote_table]
                     else:
                         dl = self.expanded[(id(c), op.local_table)]
                         dr = self.expanded[(id(c), op.remote_table)]
@@ -272,7 +263,7 @@ class _Methods:
                         self.fig.launch_nixl_us.append((time.perf_counter() - tl) * 1e6)
                     handles.append((agent, h))
                     total += op.bytes_per_block * len(local)
-                notify.extend((agent, s._agents[r], msg) for r in reads.standalone_notify)
+                notify.extend((agent, s.agents[r], msg) for r in reads.standalone_notify)
         for agent, h in handles:
             while agent.check_xfer_state(h) == "PROC":
                 pass
@@ -306,7 +297,7 @@ async def _poller_figures(idle_seconds: float) -> dict[str, float]:
     import torch
 
     import akv
-    from akv.fill import expected_blocks  # noqa: F401  (warm imports outside the timing)
+    from akv.testing import expected_blocks  # noqa: F401  (warm imports outside the timing)
 
     spec = akv.KVSpec.create(layers=2, num_blocks=64, block_size=4, kv_heads=2, head_dim=16, dtype="float16")
     released: dict[str, float] = {}
@@ -370,9 +361,9 @@ def _table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
     """Register and prepare a (layers x 2) x blocks table, strided and expanded: time and peak RSS."""
     import torch
 
-    from akv.backend import NixlBackend
+    from akv.backends.nixl import NixlBackend
+    from akv.geometry.spec import KVSpec
     from akv.plan import RankMemory, build_table
-    from akv.spec import KVSpec
 
     spec = KVSpec.create(
         layers=layers, num_blocks=blocks, block_size=1, kv_heads=1, head_dim=8, dtype="float16"
@@ -408,7 +399,7 @@ def _table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
 
 def _table_prep_fresh(blocks: int) -> dict[str, float]:
     """:func:`_table_prep` in a fresh process, so that memory figures are not hidden by reuse."""
-    code = f"import json; from akv.bench import _table_prep; print(json.dumps(_table_prep({blocks})))"
+    code = f"import json; from akv.bench.run import _table_prep; print(json.dumps(_table_prep({blocks})))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
     )
@@ -520,23 +511,23 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("-v", "--verbose", action="count", default=0)
 
     def run(a: argparse.Namespace) -> int:
+        from akv.testing import ProgressBar
+
         tty = sys.stderr.isatty()
         started = time.monotonic()
-
         steps = 2 * len(WORKLOADS) + 2  # warm-up and measurement per workload; poller; tables
+        bar = ProgressBar(tty, label="bench", width=24)
         done = [0]
 
         def progress(step: str) -> None:
             done[0] += 1
-            filled = 24 * min(done[0], steps) // steps
-            bar = f"[{'#' * filled}{'.' * (24 - filled)}] {done[0]}/{steps}"
-            line = f"{bar} {time.monotonic() - started:6.1f}s  {step}"
-            sys.stderr.write(("\r\033[K" + line) if tty else line + "\n")
-            sys.stderr.flush()
+            note = f"{time.monotonic() - started:6.1f}s  {step}"
+            bar.update(min(done[0], steps), steps, note)
+            if not tty:
+                print(f"[{done[0]}/{steps}] {note}", file=sys.stderr, flush=True)
 
         summary = anyio.run(run_bench, a.quick, progress)
-        if tty:
-            sys.stderr.write("\n")
+        bar.close()
         summary["seconds"] = round(time.monotonic() - started, 1)
         if a.plot:
             _plot(summary, a.plot)

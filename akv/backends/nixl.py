@@ -1,31 +1,29 @@
 """The NIXL backend: the only module that imports ``nixl``.
 
 It registers KV tensors, prepares strided descriptor lists, posts prepped READs with
-np.int32 indices, reports transfer states, moves notifications, and translates every NIXL
-exception into an akv error. It holds no policy: when to poll, retry or fail is the
-session's business. Close order: transfers, descriptor lists, remote agents, registrations.
+np.int32 indices, reports transfer states and moves notifications. Every NIXL exception
+crosses into akv through one table (:data:`ERROR_TABLE`) in :func:`map_exceptions`. It holds
+no policy: when to poll, retry or fail is the runtime's business. Close order: transfers,
+descriptor lists, remote agents, registrations.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from akv.errors import BackendError, PeerLostError, TransferError
+from akv.backends import DlistHandle, XferHandle, XferState, mem_type
+from akv.errors import AkvError, BackendError, PeerLostError, TransferError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DlistHandle", "NixlBackend", "XferHandle", "XferState", "nixl_version"]
-
-XferState = Literal["DONE", "PROC"]
-DlistHandle = Any
-XferHandle = Any
+__all__ = ["ERROR_TABLE", "NixlBackend", "map_exceptions", "nixl_version"]
 
 _nixl_lock = threading.Lock()
 
@@ -47,24 +45,58 @@ def nixl_version() -> str:
         return "unknown"
 
 
+#: NIXL's exception classes (by name: they live in ``nixl_cu12`` or ``nixl_cu13``) and the
+#: akv error each becomes. Anything else becomes the default of the operation.
+ERROR_TABLE: dict[str, type[AkvError]] = {
+    "nixlRemoteDisconnectError": PeerLostError,
+    "nixlNotFoundError": PeerLostError,  # the remote agent (or its memory) is gone
+    "nixlCancelledError": TransferError,
+    "nixlMismatchError": TransferError,
+    "nixlBackendError": TransferError,
+    "nixlInvalidParamError": BackendError,
+    "nixlNotAllowedError": BackendError,
+    "nixlNotSupportedError": BackendError,
+}
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+@contextlib.contextmanager
+def map_exceptions(what: str, default: type[AkvError] = BackendError) -> Iterator[None]:
+    """Turn NIXL exceptions raised inside the block into akv errors (see :data:`ERROR_TABLE`).
+
+    Operations outside a transfer keep :class:`BackendError` whatever NIXL raised; transfer
+    operations pass ``default=TransferError`` so a lost peer becomes :class:`PeerLostError`.
+    """
+    try:
+        yield
+    except AkvError:
+        raise
+    except Exception as exc:
+        cls = ERROR_TABLE.get(type(exc).__name__, default)
+        if default is BackendError:
+            cls = BackendError
+        raise cls(f"{what}: {_describe(exc)}") from exc
+
+
 class NixlBackend:
-    """One NIXL agent (one per TP rank), with akv's error translation.
+    """One NIXL agent (one per TP rank), implementing :class:`akv.backends.Backend`.
 
     ``progress_thread`` enables UCX's own progress thread; on small machines it costs more
-    than it gives, so akv progresses the agent from its poller by default.
+    than it gives, so akv progresses the agent from its poller by default. The agent is
+    thread-safe (readers-writer sync), so blocking calls may run in worker threads.
     """
 
     def __init__(self, name: str, *, progress_thread: bool = False, telemetry: bool = False) -> None:
         api = _api()
-        try:
-            config = api.nixl_agent_config(enable_prog_thread=progress_thread, capture_telemetry=telemetry)
+        with map_exceptions(f"cannot create NIXL agent {name!r}"):
+            sync = getattr(getattr(api, "nixl_thread_sync_t", None), "NIXL_THREAD_SYNC_RW", None)
+            config = api.nixl_agent_config(
+                enable_prog_thread=progress_thread, capture_telemetry=telemetry, sync_mode=sync
+            )
             self._agent = api.nixl_agent(name, config)
-        except Exception as exc:
-            raise BackendError(f"cannot create NIXL agent {name!r}: {_describe(exc)}") from exc
         if "UCX" not in self._agent.backends:
             raise BackendError("the NIXL UCX backend is not available in this installation")
         self.name = name
@@ -80,27 +112,22 @@ class NixlBackend:
         """The underlying ``nixl_agent``, for reference implementations (benchmarks)."""
         return self._agent
 
-    # -- memory -------------------------------------------------------------------------
+    mem_type = staticmethod(mem_type)
 
-    @staticmethod
-    def mem_type(tensors: Sequence[torch.Tensor]) -> tuple[str, int]:
-        """``("DRAM", 0)`` for CPU tensors, ``("VRAM", device index)`` for CUDA ones."""
-        devices = {t.device for t in tensors}
-        if len(devices) != 1:
-            raise BackendError(f"all KV tensors of a rank must share one device, got {devices}")
-        device = devices.pop()
-        if device.type == "cpu":
-            return "DRAM", 0
-        if device.type == "cuda":
-            return "VRAM", int(device.index or 0)
-        raise BackendError(f"unsupported device {device}: use CPU (DRAM) or CUDA (VRAM) tensors")
+    # -- memory -------------------------------------------------------------------------
 
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
         """Register the KV regions with NIXL."""
-        try:
+        with map_exceptions("memory registration failed"):
             self._registrations.append(self._agent.register_memory(list(tensors)))
-        except Exception as exc:
-            raise BackendError(f"memory registration failed: {_describe(exc)}") from exc
+
+    def register_host(self, array: npt.NDArray[Any]) -> None:
+        """Register a contiguous host array as DRAM."""
+        if not array.flags.c_contiguous:
+            raise BackendError("a host array to register must be contiguous")
+        with map_exceptions("host memory registration failed"):
+            descs = [(int(array.ctypes.data), int(array.nbytes), 0, "")]
+            self._registrations.append(self._agent.register_memory(descs, "DRAM"))
 
     def metadata(self) -> bytes:
         """This agent's metadata: whoever loads it can read our registered memory."""
@@ -108,20 +135,16 @@ class NixlBackend:
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a remote agent's metadata; returns its agent name."""
-        try:
+        with map_exceptions("cannot load remote agent metadata"):
             raw = self._agent.add_remote_agent(metadata)
-            name = raw.decode() if isinstance(raw, bytes) else str(raw)
-        except Exception as exc:
-            raise BackendError(f"cannot load remote agent metadata: {_describe(exc)}") from exc
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._remotes.add(name)
         return name
 
     def connect(self, name: str) -> None:
         """Set up the transport to a loaded remote agent now, not on the first transfer."""
-        try:
+        with map_exceptions(f"cannot connect to {name}", PeerLostError):
             self._agent.make_connection(name)
-        except Exception as exc:
-            raise PeerLostError(f"cannot connect to {name}: {_describe(exc)}") from exc
 
     def remove_remote(self, name: str) -> None:
         """Forget a remote agent (and disconnect from it). Idempotent."""
@@ -134,9 +157,7 @@ class NixlBackend:
 
     def prep(self, agent: str, table: npt.NDArray[np.int64], mem_type: str) -> DlistHandle:
         """Prepare a strided ``(S, 5)`` table for ``agent`` ("" for local memory)."""
-        from akv.plan import expand_table
-
-        try:
+        with map_exceptions(f"preparing descriptors for {agent or 'local'} failed"):
             if self._strided is not False:
                 try:
                     handle = self._agent.prep_xfer_dlist(agent, table, mem_type)
@@ -144,11 +165,9 @@ class NixlBackend:
                 except TypeError:
                     self._strided = False  # an older NIXL without strided lists
             if self._strided is False:
+                from akv.plan import expand_table
+
                 handle = self._agent.prep_xfer_dlist(agent, expand_table(table), mem_type)
-        except Exception as exc:
-            raise BackendError(
-                f"preparing descriptors for {agent or 'local'} failed: {_describe(exc)}"
-            ) from exc
         self._dlists.append(handle)
         return handle
 
@@ -156,10 +175,8 @@ class NixlBackend:
         """Prepare a table as one ``(addr, len, dev)`` row per descriptor (no strided form)."""
         from akv.plan import expand_table
 
-        try:
+        with map_exceptions("preparing descriptors failed"):
             handle = self._agent.prep_xfer_dlist(agent, expand_table(table), mem_type)
-        except Exception as exc:
-            raise BackendError(f"preparing descriptors failed: {_describe(exc)}") from exc
         self._dlists.append(handle)
         return handle
 
@@ -182,22 +199,21 @@ class NixlBackend:
         *,
         merge: bool = True,
     ) -> XferHandle:
-        """Create and post a READ; the target gets ``notif`` once the read is DONE and polled.
+        """Create and post a READ; the target gets ``notif`` (if any) once the read is DONE and polled.
 
         ``merge=False`` keeps NIXL from merging contiguous descriptors (for comparisons).
         """
-        try:
+        with map_exceptions("creating the read failed", TransferError):
             handle = self._agent.make_prepped_xfer(
                 "READ", local, local_idx, remote, remote_idx, notif, skip_desc_merge=not merge
             )
-        except Exception as exc:
-            raise PeerLostError(f"creating the read failed: {_describe(exc)}") from exc
         self._xfers.add(handle)
         try:
-            state = self._agent.transfer(handle)
-        except Exception as exc:
+            with map_exceptions("posting the read failed", TransferError):
+                state = self._agent.transfer(handle)
+        except TransferError:
             self.release(handle)
-            raise PeerLostError(f"posting the read failed: {_describe(exc)}") from exc
+            raise
         if state == "ERR":
             self.release(handle)
             raise TransferError("NIXL refused to post the read")
@@ -205,10 +221,8 @@ class NixlBackend:
 
     def state(self, handle: XferHandle) -> XferState:
         """Poll one transfer: "DONE" or "PROC"; raises :class:`TransferError` on failure."""
-        try:
+        with map_exceptions("transfer failed", TransferError):
             state = self._agent.check_xfer_state(handle)
-        except Exception as exc:
-            raise PeerLostError(f"transfer failed: {_describe(exc)}") from exc
         if state == "ERR":
             raise TransferError("NIXL reported the transfer in error")
         return "DONE" if state == "DONE" else "PROC"
@@ -219,6 +233,11 @@ class NixlBackend:
             return int(self._agent.get_xfer_telemetry(handle).descCount)
         except Exception:
             return -1
+
+    @property
+    def active_transfers(self) -> int:
+        """Transfer handles created and not yet released."""
+        return len(self._xfers)
 
     def release(self, handle: XferHandle) -> bool:
         """Release a transfer (NIXL cancels it if still active). False if it could not."""
@@ -235,17 +254,18 @@ class NixlBackend:
 
     def notifications(self) -> dict[str, list[bytes]]:
         """New notifications by sender agent name. Also progresses the agent."""
-        try:
+        with map_exceptions("reading notifications failed"):
             return dict(self._agent.get_new_notifs())
-        except Exception as exc:
-            raise BackendError(f"reading notifications failed: {_describe(exc)}") from exc
+
+    def progress(self) -> None:
+        """Progress the agent (sends queued notifications); notifications received are dropped."""
+        with map_exceptions("progressing the agent failed"):
+            self._agent.get_new_notifs()
 
     def notify(self, agent: str, message: bytes) -> None:
         """Send a standalone notification to a remote agent."""
-        try:
+        with map_exceptions(f"notifying {agent} failed", PeerLostError):
             self._agent.send_notif(agent, message)
-        except Exception as exc:
-            raise PeerLostError(f"notifying {agent} failed: {_describe(exc)}") from exc
 
     # -- lifetime -----------------------------------------------------------------------
 

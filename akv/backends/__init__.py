@@ -1,0 +1,92 @@
+"""Backends: the transport behind a small interface. :mod:`akv.backends.nixl` is the only
+module of akv that imports ``nixl``; it is loaded only when a rank starts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Backend", "DlistHandle", "XferHandle", "XferState", "mem_type"]
+
+XferState = Literal["DONE", "PROC"]
+DlistHandle = Any
+XferHandle = Any
+
+
+def mem_type(tensors: Sequence[torch.Tensor]) -> tuple[str, int]:
+    """``("DRAM", 0)`` for CPU tensors, ``("VRAM", device index)`` for CUDA ones."""
+    from akv.errors import BackendError
+
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise BackendError(f"all KV tensors of a rank must share one device, got {devices}")
+    device = devices.pop()
+    if device.type == "cpu":
+        return "DRAM", 0
+    if device.type == "cuda":
+        return "VRAM", int(device.index or 0)
+    raise BackendError(f"unsupported device {device}: use CPU (DRAM) or CUDA (VRAM) tensors")
+
+
+class Backend(Protocol):
+    """What the runtime needs from a transport: one agent per TP rank.
+
+    Calls marked *blocking* may take milliseconds and are run off the event loop by the
+    runtime (``anyio.to_thread``); the others are cheap and run on it.
+    """
+
+    name: str
+
+    @property
+    def closed(self) -> bool: ...
+
+    def register(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Register KV tensors (*blocking*)."""
+
+    def register_host(self, array: npt.NDArray[Any]) -> None:
+        """Register a host (DRAM) array, e.g. a rank's exposure tokens (*blocking*)."""
+
+    def metadata(self) -> bytes: ...
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a remote agent's metadata (*blocking*); returns its name."""
+
+    def connect(self, name: str) -> None:
+        """Wire up the transport to a loaded remote agent (*blocking*)."""
+
+    def remove_remote(self, name: str) -> None: ...
+
+    def prep(self, agent: str, table: npt.NDArray[np.int64], mem_type: str) -> DlistHandle:
+        """Prepare a strided descriptor table (*blocking*)."""
+
+    def release_dlist(self, handle: DlistHandle) -> None: ...
+
+    def read(
+        self,
+        local: DlistHandle,
+        local_idx: npt.NDArray[np.int32],
+        remote: DlistHandle,
+        remote_idx: npt.NDArray[np.int32],
+        notif: bytes,
+        *,
+        merge: bool = True,
+    ) -> XferHandle: ...
+
+    def state(self, handle: XferHandle) -> XferState: ...
+
+    def release(self, handle: XferHandle) -> bool: ...
+
+    def notifications(self) -> dict[str, list[bytes]]: ...
+
+    def progress(self) -> None:
+        """Make transport progress (standalone notices go out only while the sender progresses)."""
+
+    def notify(self, agent: str, message: bytes) -> None: ...
+
+    def close(self) -> None: ...

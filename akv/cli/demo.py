@@ -1,0 +1,136 @@
+"""``akv demo``: prefill and decode as separate processes, every byte verified."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+import anyio
+
+from akv.cli.args import EXIT_FAILED, EXIT_OK, emit, spec_from_args
+from akv.testing import ProgressBar, ajson_lines, spec_argv
+
+__all__ = ["cmd_demo", "run_demo"]
+
+
+async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    env = dict(os.environ)
+    env.setdefault("AKV_SECRET", a.secret or secrets.token_hex(16))  # the demo authenticates its peers
+    env["NIXL_LOG_LEVEL"] = env.get("NIXL_LOG_LEVEL", "WARN")
+    py = [sys.executable, "-m", "akv"]
+    model = spec_argv(spec_from_args(a))
+    prefill_cmd = [
+        *py,
+        "prefill",
+        "--tp-size",
+        str(a.prefill_tp),
+        "--requests",
+        str(a.requests),
+        "--blocks-per-request",
+        str(a.blocks_per_request),
+        "--port",
+        "0",
+        "--lease",
+        str(a.lease),
+        "--timeout",
+        str(a.timeout),
+        "--json",
+        *model,
+    ]
+    bar = ProgressBar(sys.stderr.isatty() and not a.json)
+    started = time.monotonic()
+    prefill_summary: dict[str, Any] = {}
+    decode_summary: dict[str, Any] = {}
+    codes: dict[str, int | None] = {}
+    with anyio.move_on_after(a.timeout) as scope:
+        async with await anyio.open_process(prefill_cmd, env=env, stderr=None) as prefill:
+            endpoint = None
+            lines = ajson_lines(prefill.stdout)
+            async for msg in lines:
+                if msg.get("event") == "ready":
+                    endpoint = msg["endpoint"]
+                    break
+            if endpoint is None:
+                await prefill.wait()
+                return {"event": "summary", "error": "prefill exited before it was ready"}, EXIT_FAILED
+            decode_cmd = [
+                *py,
+                "decode",
+                "--connect",
+                endpoint,
+                "--tp-size",
+                str(a.decode_tp),
+                "--json",
+                "--concurrency",
+                str(a.concurrency),
+                *model,
+            ]
+            async with await anyio.open_process(decode_cmd, env=env, stderr=None) as decode:
+                async for msg in ajson_lines(decode.stdout):
+                    if msg.get("event") == "progress":
+                        bar.update(msg["done"], msg["total"])
+                    elif msg.get("event") == "summary":
+                        decode_summary = msg
+                codes["decode"] = await decode.wait()
+            bar.close()
+            if codes["decode"] != 0:
+                prefill.terminate()  # nothing will read the rest: do not wait for the leases
+            async for msg in lines:
+                if msg.get("event") == "summary":
+                    prefill_summary = msg
+            codes["prefill"] = await prefill.wait()
+    if scope.cancelled_caught:
+        return {"event": "summary", "error": f"demo timed out after {a.timeout}s"}, EXIT_FAILED
+    seconds = time.monotonic() - started
+    summary = {
+        "event": "summary",
+        "prefill_tp": a.prefill_tp,
+        "decode_tp": a.decode_tp,
+        "kv_heads": a.kv_heads,
+        "mla": a.mla,
+        "requests": decode_summary.get("requests", 0),
+        "verified": decode_summary.get("verified", 0),
+        "failed": decode_summary.get("failed", 0),
+        "released": prefill_summary.get("released", 0),
+        "expired": prefill_summary.get("expired", 0),
+        "bytes": decode_summary.get("bytes", 0),
+        "seconds": round(seconds, 3),
+        "transfer_seconds": decode_summary.get("seconds", 0.0),
+        "exit_codes": codes,
+    }
+    if decode_summary.get("error") or decode_summary.get("errors"):
+        summary["errors"] = decode_summary.get("errors") or [decode_summary.get("error")]
+    ok = (
+        summary["requests"] == a.requests
+        and summary["verified"] == a.requests
+        and not summary["failed"]
+        and summary["released"] == a.requests
+        and not summary["expired"]
+    )
+    return summary, EXIT_OK if ok else EXIT_FAILED
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    summary, code = anyio.run(run_demo, a)
+    if a.json:
+        emit(summary)
+    else:
+        kind = "MLA" if a.mla else f"{a.kv_heads} KV heads"
+        status = "OK" if code == EXIT_OK else "FAILED"
+        print(f"akv demo: prefill TP {a.prefill_tp} -> decode TP {a.decode_tp}, {kind}: {status}")
+        print(
+            f"  {summary.get('verified', 0)}/{summary.get('requests', 0)} requests verified bit-exact, "
+            f"{summary.get('released', 0)} released by read, {summary.get('expired', 0)} expired, "
+            f"{summary.get('failed', 0)} failed"
+        )
+        print(
+            f"  {summary.get('bytes', 0) / 1e6:.1f} MB pulled in {summary.get('transfer_seconds', 0):.2f}s "
+            f"(whole run {summary.get('seconds', 0):.2f}s)"
+        )
+        for err in summary.get("errors", []) or ([summary["error"]] if "error" in summary else []):
+            print(f"  error: {err}")
+    return code

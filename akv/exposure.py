@@ -1,0 +1,164 @@
+"""Exposure records: what lets a decode rank prove that the blocks it read were still exposed
+for its request when its reads completed (pure; numpy only).
+
+Each prefill rank keeps a small *exposure table* in registered host memory: ``buckets``
+buckets of ``SLOTS`` slots, a slot being three int64 words ``(token, digest, nblocks)``:
+
+* ``token = hash47(request_id) << 16 | state`` (0: an empty slot), where ``state`` is
+  :data:`EXPOSED` while the request is pinned and becomes :data:`RELEASED_READ`,
+  :data:`RELEASED_EXPIRED` or :data:`RELEASED_CLOSED` *before* its blocks are handed back;
+* ``digest`` and ``nblocks`` fingerprint the exposed block ids.
+
+A request lives in bucket ``hash47 % buckets``. After its data reads complete, a decode rank
+reads that one bucket (one small READ, which also carries its "done" notice, so the prefill
+rank cannot release before the bucket was read) and checks it with :func:`verify`: success
+needs a slot of its request in state EXPOSED with the digest of the block ids it was given.
+No round trip through the prefill rank's event loop is involved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from akv.errors import (
+    ConfigError,
+    LeaseExpiredError,
+    NotExposedError,
+    OutsideExposureError,
+    ReleasedError,
+    UnsafeReadError,
+)
+
+__all__ = [
+    "EXPOSED",
+    "RELEASED_CLOSED",
+    "RELEASED_EXPIRED",
+    "RELEASED_READ",
+    "SLOTS",
+    "SLOT_WORDS",
+    "ExposureTable",
+    "digest",
+    "request_hash",
+    "verify",
+]
+
+#: Slots per bucket (a bucket is what a decode rank reads: ``SLOTS * 24`` bytes).
+SLOTS = 16
+#: int64 words per slot: token, digest, nblocks.
+SLOT_WORDS = 3
+EXPOSED, RELEASED_READ, RELEASED_EXPIRED, RELEASED_CLOSED = 1, 2, 3, 4
+_STATE_OF_REASON = {"read": RELEASED_READ, "expired": RELEASED_EXPIRED, "closed": RELEASED_CLOSED}
+
+
+def request_hash(request_id: str) -> int:
+    """A stable 47-bit, non-zero hash of a request id (so a token fits a signed int64)."""
+    h = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=6).digest(), "little") >> 1
+    return h or 1
+
+
+def digest(block_ids: npt.NDArray[np.int32]) -> int:
+    """A 63-bit fingerprint of a request's (whole) list of prefill block ids."""
+    data = np.ascontiguousarray(block_ids, dtype=np.int32).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+class ExposureTable:
+    """The prefill side's table (the array is what gets registered with NIXL)."""
+
+    def __init__(self, buckets: int = 4096) -> None:
+        if buckets < 1:
+            raise ConfigError(f"exposure table buckets must be >= 1, got {buckets}")
+        self.buckets = buckets
+        self.array = np.zeros((buckets, SLOTS, SLOT_WORDS), dtype=np.int64)
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bytes of one bucket (the size of a decode rank's check read)."""
+        return SLOTS * SLOT_WORDS * 8
+
+    def bucket_of(self, request_id: str) -> int:
+        """The bucket a request lives in."""
+        return request_hash(request_id) % self.buckets
+
+    def publish(self, request_id: str, block_ids: npt.NDArray[np.int32]) -> None:
+        """Record an exposure (state EXPOSED). Raises :class:`ConfigError` if its bucket is full."""
+        h = request_hash(request_id)
+        rows = self.array[h % self.buckets]
+        states = rows[:, 0] & 0xFFFF
+        hashes = rows[:, 0] >> 16
+        # Reuse this request's old slot, else an empty one, else the oldest released one.
+        candidates = np.flatnonzero(hashes == h)
+        if not candidates.size:
+            candidates = np.flatnonzero(rows[:, 0] == 0)
+        if not candidates.size:
+            candidates = np.flatnonzero(states != EXPOSED)
+        if not candidates.size:
+            raise ConfigError(
+                f"exposure table bucket full ({SLOTS} requests exposed in it): "
+                "raise the producer's max_exposed (exposure_buckets)"
+            )
+        slot = rows[candidates[0]]
+        # Fingerprint first, token last: a reader never sees EXPOSED with a stale fingerprint.
+        slot[0] = 0
+        slot[1] = digest(block_ids)
+        slot[2] = block_ids.size
+        slot[0] = (h << 16) | EXPOSED
+
+    def retire(self, request_id: str, reason: str) -> None:
+        """Mark a request released (before its blocks go back to the engine)."""
+        h = request_hash(request_id)
+        rows = self.array[h % self.buckets]
+        for i in np.flatnonzero((rows[:, 0] >> 16) == h):
+            rows[i, 0] = (h << 16) | _STATE_OF_REASON[reason]
+
+
+def verify(
+    bucket: npt.NDArray[Any],
+    request_id: str,
+    block_ids: npt.NDArray[np.int32],
+    *,
+    prefill_rank: int,
+    read_ids: Sequence[int] = (),
+) -> UnsafeReadError | None:
+    """Check a bucket read after the data reads: None if ``request_id`` is exposed with exactly
+    ``block_ids``; else the typed error saying why the bytes cannot be trusted."""
+    rows = np.asarray(bucket, dtype=np.int64).reshape(SLOTS, SLOT_WORDS)
+    h = request_hash(request_id)
+    mine = rows[(rows[:, 0] >> 16) == h]
+    where = f"request {request_id!r} on prefill rank {prefill_rank}"
+    ids = tuple(int(b) for b in read_ids)
+    if not mine.size:
+        return NotExposedError(
+            f"{where} is not exposed (never exposed there, or released long ago): the blocks read "
+            "may hold another request's KV",
+            prefill_rank=prefill_rank,
+            block_ids=ids,
+        )
+    token, fp, n = (int(x) for x in mine[0])
+    state = token & 0xFFFF
+    if state == RELEASED_EXPIRED:
+        return LeaseExpiredError(
+            f"{where} was released by lease before the reads completed: raise the lease, or pull sooner",
+            prefill_rank=prefill_rank,
+            block_ids=ids,
+        )
+    if state != EXPOSED:
+        how = "by the producer closing" if state == RELEASED_CLOSED else "after every reader notified"
+        return ReleasedError(
+            f"{where} was released ({how}) before the reads finished",
+            prefill_rank=prefill_rank,
+            block_ids=ids,
+        )
+    if n != block_ids.size or fp != digest(block_ids):
+        return OutsideExposureError(
+            f"{where} is exposed with {n} other block ids than the {block_ids.size} given: "
+            "blocks outside its exposure were read",
+            prefill_rank=prefill_rank,
+            block_ids=ids,
+        )
+    return None

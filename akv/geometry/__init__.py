@@ -1,0 +1,9 @@
+"""Geometry (pure): the description of a rank's paged KV cache and its regions.
+
+:mod:`akv.geometry.spec` holds :class:`KVSpec` (no torch); :mod:`akv.geometry.tensors`
+allocates and checks torch tensors for a spec (imports torch).
+"""
+
+from akv.geometry.spec import COMPAT_FIELDS, DTYPE_SIZES, KVSpec
+
+__all__ = ["COMPAT_FIELDS", "DTYPE_SIZES", "KVSpec"]

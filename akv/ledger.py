@@ -1,0 +1,202 @@
+"""The prefill side's release ledger (pure, sans-IO): exposures, readers, leases.
+
+The ledger decides; the :class:`~akv.runtime.producer.Producer` shell feeds it notices and
+the clock and delivers the :class:`Release` records it returns. Every exposure is released
+exactly once: by read (every decode rank expected to notify did), by lease, or by close.
+Its :class:`~akv.exposure.ExposureTable` is updated *before* a release is returned, so a
+decode rank reading the blocks afterwards learns they are gone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from akv.errors import BlockIdError, ConfigError, UnknownRequestError
+from akv.exposure import ExposureTable, digest
+from akv.plan import check_block_ids
+from akv.protocol.messages import Notice
+
+__all__ = ["Release", "ReleaseLedger", "ReleaseReason"]
+
+ReleaseReason = Literal["read", "expired", "closed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A request's blocks are free again on one prefill rank. Reported exactly once per exposure.
+
+    ``reason`` is ``"read"`` (every expected decode rank notified), ``"expired"`` (the lease
+    ran out first) or ``"closed"`` (the producer shut down first). ``notified`` counts the
+    decode ranks that notified; ``expected`` is how many were expected (None if none did).
+    """
+
+    request_id: str
+    block_ids: npt.NDArray[np.int32]
+    reason: ReleaseReason
+    notified: int
+    expected: int | None
+
+
+@dataclass(slots=True)
+class _Exposure:
+    block_ids: npt.NDArray[np.int32]
+    digest: int
+    lease_s: float
+    deadline: float
+    readers: dict[str, set[int]] = field(default_factory=dict)  # decode engine -> ranks
+    decode_tp: dict[str, int] = field(default_factory=dict)
+
+
+class ReleaseLedger:
+    """Exposed requests of one prefill rank and who still has to read them.
+
+    ``expected(decode_tp)`` says how many ranks of a decode engine of that TP size notify
+    this rank per request; ``accepts(notice)`` says whether a notice comes from a decode
+    rank that may notify this rank at all.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        lease_s: float,
+        expected: Callable[[int], int],
+        accepts: Callable[[Notice], bool],
+        table: ExposureTable | None = None,
+        count: Callable[[str], None] | None = None,
+    ) -> None:
+        check_lease(lease_s)
+        self.num_blocks = num_blocks
+        self.lease_s = float(lease_s)
+        self.expected = expected
+        self.accepts = accepts
+        self.table = table or ExposureTable()
+        self._exposed: dict[str, _Exposure] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self.counters: dict[str, int] = {}
+        self._on_count = count
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+        if self._on_count is not None:
+            self._on_count(name)
+
+    def __len__(self) -> int:
+        return len(self._exposed)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._exposed
+
+    # -- exposing -------------------------------------------------------------------------
+
+    def expose(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | npt.ArrayLike,
+        now: float,
+        lease: float | None = None,
+    ) -> None:
+        """Pin a request's blocks until read or ``now + lease``.
+
+        Raises :class:`BlockIdError` for bad or no ids, :class:`ConfigError` for a request
+        already exposed or a bad lease.
+        """
+        ids = check_block_ids(block_ids, self.num_blocks, f"request {request_id!r}")
+        if ids.size == 0:
+            raise BlockIdError(f"request {request_id!r}: no block ids to expose (nothing to pull)")
+        if request_id in self._exposed:
+            raise ConfigError(f"request {request_id!r} is already exposed")
+        lease_s = self.lease_s if lease is None else check_lease(lease)
+        self.table.publish(request_id, ids)
+        deadline = now + lease_s
+        self._exposed[request_id] = _Exposure(ids, digest(ids), lease_s, deadline)
+        heapq.heappush(self._deadlines, (deadline, request_id))
+        self._count("exposed")
+
+    def extend(self, request_id: str, now: float, seconds: float | None = None) -> None:
+        """Push a request's deadline to ``now + seconds`` (default: its lease)."""
+        exp = self._exposed.get(request_id)
+        if exp is None:
+            raise UnknownRequestError(f"request {request_id!r} is not exposed")
+        exp.deadline = now + (exp.lease_s if seconds is None else seconds)
+        heapq.heappush(self._deadlines, (exp.deadline, request_id))
+        self._count("lease_extensions")
+
+    # -- releasing ------------------------------------------------------------------------
+
+    def release(self, request_id: str, reason: ReleaseReason) -> Release | None:
+        """Release one exposure now (None if it is not exposed)."""
+        exp = self._exposed.pop(request_id, None)
+        if exp is None:
+            return None
+        self.table.retire(request_id, reason)  # before the blocks are handed back
+        notified = sum(len(r) for r in exp.readers.values())
+        engine = max(exp.readers, key=lambda e: len(exp.readers[e]), default=None)
+        expected = self.expected(exp.decode_tp[engine]) if engine is not None else None
+        self._count(f"released_{reason}")
+        return Release(request_id, exp.block_ids, reason, notified, expected)
+
+    def on_notice(self, notice: Notice, now: float) -> list[Release]:
+        """Apply one decode rank's notice; returns the releases it completes."""
+        if not self.accepts(notice):
+            self._count("notifications_invalid")
+            return []
+        out: list[Release] = []
+        digests = notice.digests
+        for i, rid in enumerate(notice.request_ids):
+            exp = self._exposed.get(rid)
+            if exp is None:
+                self._count("notifications_unknown")
+                continue
+            if notice.kind == "extend":
+                self.extend(rid, now)
+                continue
+            if i >= len(digests) or digests[i] != exp.digest:
+                # Blocks other than the exposed ones were read: this reader does not count.
+                self._count("notifications_invalid")
+                continue
+            readers = exp.readers.setdefault(notice.engine_id, set())
+            readers.add(notice.decode_rank)
+            exp.decode_tp.setdefault(notice.engine_id, notice.decode_tp)
+            if len(readers) >= self.expected(exp.decode_tp[notice.engine_id]):
+                rel = self.release(rid, "read")
+                if rel is not None:
+                    out.append(rel)
+        return out
+
+    def expire(self, now: float) -> tuple[list[Release], float | None]:
+        """Release what is past its deadline; returns the releases and the seconds to the next one."""
+        out: list[Release] = []
+        while self._deadlines:
+            deadline, rid = self._deadlines[0]
+            exp = self._exposed.get(rid)
+            if exp is None or exp.deadline != deadline:
+                heapq.heappop(self._deadlines)  # released, or superseded by an extension
+                continue
+            if deadline > now:
+                return out, deadline - now
+            heapq.heappop(self._deadlines)
+            rel = self.release(rid, "expired")
+            if rel is not None:
+                out.append(rel)
+        return out, None
+
+    def close(self) -> list[Release]:
+        """Release everything still exposed (reason ``closed``)."""
+        out = [self.release(rid, "closed") for rid in list(self._exposed)]
+        return [r for r in out if r is not None]
+
+
+def check_lease(lease: float) -> float:
+    """A valid lease in seconds, or :class:`ConfigError`."""
+    value = float(lease)
+    if not value > 0 or math.isnan(value) or math.isinf(value):
+        raise ConfigError(f"lease must be a finite number of seconds > 0, got {lease}")
+    return value

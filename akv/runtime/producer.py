@@ -1,0 +1,307 @@
+"""The prefill side: expose blocks, serve handshakes, count readers, release exactly once.
+
+A thin shell: the :class:`~akv.ledger.ReleaseLedger` decides what is released when; this
+module feeds it NIXL notices and the clock and delivers its releases.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.to_thread
+import numpy.typing as npt
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from akv.backends import mem_type
+from akv.errors import AkvError, ClosedError, ConfigError, ProtocolError
+from akv.exposure import ExposureTable
+from akv.geometry.spec import KVSpec
+from akv.ledger import Release, ReleaseLedger, check_lease
+from akv.protocol.address import Endpoint
+from akv.protocol.messages import Notice, RankInfo, decode_notice
+from akv.runtime.control import ControlServer
+from akv.runtime.rank import RankBase
+
+if TYPE_CHECKING:
+    import torch
+
+    from akv.backends import Backend
+
+__all__ = ["Producer", "Release"]
+
+#: Releases kept for a :meth:`Producer.releases` reader that is not keeping up.
+RELEASE_BUFFER = 4096
+
+
+class Producer(RankBase):
+    """One prefill rank: registers its KV cache, serves handshakes and tracks exposed blocks.
+
+    Use as an async context manager. :meth:`expose` pins a request's blocks until every
+    decode rank that must read or learn of them has notified, or until the lease expires;
+    then the release is reported once *for this rank*, via ``on_release`` and
+    :meth:`releases`. An engine of P ranks gets P releases per request, one from each rank;
+    it may free a block once the rank holding it released it.
+
+    Args:
+        kv_caches: this rank's regions (see :meth:`KVSpec.region_shape`), CPU or CUDA tensors.
+        spec: the cache description (equal on every rank of the engine).
+        tp_rank: this rank's index in ``[0, tp_size)``.
+        tp_size: the engine's tensor-parallel size.
+        engine_id: the engine's name, the same on every rank.
+        on_release: called once per exposure when its blocks are free again.
+        lease: seconds an exposure stays pinned without being read (heartbeats extend it).
+        server: share one :class:`ControlServer` among ranks of one process (default: own one).
+        host: address the own control server binds (loopback by default).
+        port: its port (0 picks a free one).
+        secret: shared secret for the control plane (default ``$AKV_SECRET``).
+        allow_insecure: serve a non-loopback address without a secret (trusted networks only).
+        max_exposed: sizes the exposure table (requests exposed at once, see :mod:`akv.exposure`).
+        backend: a transport backend to use instead of creating a NIXL agent.
+        progress_thread: let UCX run its own progress thread.
+        poll_max_s: longest sleep of the notification poller while requests are pending.
+        spin_s: how long the poller spins after progress before sleeping.
+    """
+
+    _role = "p"
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        spec: KVSpec,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        engine_id: str = "prefill",
+        on_release: Callable[[Release], None] | None = None,
+        lease: float = 120.0,
+        server: ControlServer | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | bytes | None = None,
+        allow_insecure: bool = False,
+        max_exposed: int = 16384,
+        backend: Backend | None = None,
+        progress_thread: bool = False,
+        poll_max_s: float = 0.002,
+        spin_s: float = 0.002,
+    ) -> None:
+        super().__init__(
+            kv_caches,
+            spec,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            engine_id=engine_id,
+            backend=backend,
+            progress_thread=progress_thread,
+            spin_s=spin_s,
+            poll_max_s=poll_max_s,
+        )
+        self.lease_s = check_lease(lease)
+        if max_exposed < 1:
+            raise ConfigError(f"max_exposed must be >= 1, got {max_exposed}")
+        self.on_release = on_release
+        self._own_server = server is None
+        self.server = server or ControlServer(
+            host=host, port=port, secret=secret, allow_insecure=allow_insecure, metrics=self.metrics
+        )
+        self._expected: dict[int, int] = {}
+        self._notifiers: dict[tuple[int, int], bool] = {}
+        self._peers: dict[str, int] = {}
+        self.ledger = ReleaseLedger(
+            spec.num_blocks,
+            lease_s=self.lease_s,
+            expected=self.expected_notifications,
+            accepts=self._accepts,
+            table=ExposureTable(buckets=max(1, -(-max_exposed // 4))),
+            count=self.metrics.inc,
+        )
+        self._streams: list[MemoryObjectSendStream[Release]] = []
+        self._info: RankInfo | None = None
+        self._idle: anyio.Event | None = None
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
+        await anyio.to_thread.run_sync(self.backend.register_host, self.ledger.table.array)
+        self.server.add(self)
+        stack.callback(self.server.remove, self)
+        if self._own_server:
+            await tg.start(self.server.serve)
+        tg.start_soon(self._poll)
+
+    def _teardown(self) -> None:
+        self._deliver(self.ledger.close())
+        for stream in self._streams:
+            stream.close()
+        self._streams.clear()
+        if self._idle is not None:
+            self._idle.set()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The control endpoint decode ranks connect to."""
+        return self.server.endpoint
+
+    # -- handshake hooks (called by the control server) ---------------------------------
+
+    def rank_info(self) -> RankInfo:
+        """This rank's agent metadata, region addresses and exposure table."""
+        if self._info is None:
+            mem, dev = mem_type(self.kv_caches)
+            table = self.ledger.table
+            self._info = RankInfo(
+                tp_rank=self.tp_rank,
+                agent_name=self.backend.name,
+                agent_metadata=self.backend.metadata(),
+                region_addrs=[t.data_ptr() for t in self.kv_caches],
+                device_id=dev,
+                mem_type=mem,
+                exposure_addr=int(table.array.ctypes.data),
+                exposure_buckets=table.buckets,
+            )
+        return self._info
+
+    def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int) -> None:
+        """Remember a decode engine's TP size (it fixes how many notifications to expect)."""
+        self._peers[engine_id] = decode_tp
+        self._log.info("decode rank connected", peer=engine_id, decode_rank=decode_rank, decode_tp=decode_tp)
+
+    def expected_notifications(self, decode_tp: int) -> int:
+        """How many decode ranks of an engine with ``decode_tp`` notify this rank per request."""
+        n = self._expected.get(decode_tp)
+        if n is None:
+            n = self._expected[decode_tp] = self.spec.expected_notifications(
+                self.tp_rank, self.tp_size, decode_tp
+            )
+        return n
+
+    # -- exposing -----------------------------------------------------------------------
+
+    def expose(
+        self, request_id: str, block_ids: Sequence[int] | npt.ArrayLike, *, lease: float | None = None
+    ) -> None:
+        """Pin a request's blocks until read by every expected decode rank or ``lease`` seconds pass.
+
+        Raises :class:`BlockIdError` for bad or no block ids (a request with nothing to pull
+        needs no exposure), :class:`ConfigError` for a request id already exposed or a bad
+        lease, :class:`ClosedError` when not running.
+        """
+        if not self.running:
+            raise ClosedError("the producer is not running")
+        self.ledger.expose(request_id, block_ids, time.monotonic(), lease)
+        self._backoff.wake()
+
+    def extend(self, request_id: str, seconds: float | None = None) -> None:
+        """Push a request's lease deadline to ``now + seconds`` (default: its lease)."""
+        self.ledger.extend(request_id, time.monotonic(), seconds)
+
+    @property
+    def pending(self) -> int:
+        """Requests exposed and not yet released."""
+        return len(self.ledger)
+
+    def releases(self, max_buffer: int = RELEASE_BUFFER) -> MemoryObjectReceiveStream[Release]:
+        """A stream of this rank's releases from now on (iterate with ``async for``).
+
+        Holds up to ``max_buffer`` releases for a slow reader; past that the oldest is
+        dropped for that reader (``on_release`` never misses one). Close the stream when done.
+        """
+        send, receive = anyio.create_memory_object_stream[Release](max_buffer_size=max_buffer)
+        if self.closed:
+            send.close()
+        else:
+            self._streams.append(send)
+        return receive
+
+    async def wait_released(self) -> None:
+        """Return once no request is pending."""
+        while len(self.ledger) and not self.closed:
+            if self._idle is None or self._idle.is_set():
+                self._idle = anyio.Event()
+            await self._idle.wait()
+
+    def _deliver(self, releases: list[Release]) -> None:
+        for release in releases:
+            if release.reason != "read":
+                self._log.info(
+                    "blocks released",
+                    request=release.request_id,
+                    reason=release.reason,
+                    notified=release.notified,
+                    expected=release.expected,
+                )
+            if self.on_release is not None:
+                try:
+                    self.on_release(release)
+                except Exception:
+                    self._log.exception("on_release callback failed", request=release.request_id)
+            for stream in list(self._streams):
+                self._send(stream, release)
+        if releases and not len(self.ledger) and self._idle is not None:
+            self._idle.set()
+
+    def _send(self, stream: MemoryObjectSendStream[Release], release: Release) -> None:
+        try:
+            stream.send_nowait(release)
+        except anyio.WouldBlock:
+            self.metrics.inc("releases_dropped")
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._streams.remove(stream)  # the reader went away: prune
+
+    # -- polling ------------------------------------------------------------------------
+
+    def _accepts(self, notice: Notice) -> bool:
+        """True if that decode rank handshook with this engine and notifies this rank."""
+        decode_rank, decode_tp = notice.decode_rank, notice.decode_tp
+        if self._peers.get(notice.engine_id) != decode_tp or not 0 <= decode_rank < decode_tp:
+            return False
+        key = (decode_rank, decode_tp)
+        ok = self._notifiers.get(key)
+        if ok is None:
+            try:
+                ranks = self.spec.notify_ranks(decode_rank, decode_tp, self.tp_size)
+            except ConfigError:
+                ranks = ()
+            ok = self._notifiers[key] = self.tp_rank in ranks
+        return ok
+
+    def _on_notice(self, notice: Notice) -> None:
+        invalid = self.ledger.counters.get("notifications_invalid", 0)
+        self._deliver(self.ledger.on_notice(notice, time.monotonic()))
+        if self.ledger.counters.get("notifications_invalid", 0) > invalid:
+            self._log.warning(
+                "notification ignored (unexpected decode rank, or blocks other than the exposed ones)",
+                peer=notice.engine_id,
+                decode_rank=notice.decode_rank,
+                decode_tp=notice.decode_tp,
+            )
+
+    def _drain(self) -> bool:
+        notifs = self.backend.notifications()
+        for messages in notifs.values():
+            for raw in messages:
+                self.metrics.inc("notifications_received")
+                try:
+                    notice = decode_notice(raw)
+                except ProtocolError:
+                    self.metrics.inc("notifications_invalid")
+                    continue
+                self._on_notice(notice)
+        return bool(notifs)
+
+    async def _poll(self) -> None:
+        backoff = self._backoff
+        while True:
+            try:
+                if self._drain():
+                    backoff.progressed()
+            except AkvError as exc:
+                self._log.warning("draining notifications failed", error=str(exc))
+            expired, until = self.ledger.expire(time.monotonic())
+            self._deliver(expired)
+            await backoff.wait(busy=bool(len(self.ledger)), limit=until)

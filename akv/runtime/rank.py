@@ -1,0 +1,140 @@
+"""What a Producer and a Consumer share: one TP rank's validated KV cache, its NIXL agent,
+and the task group that runs its poller, entered and left through one exit stack."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+from anyio.abc import TaskGroup
+
+from akv._log import get_logger
+from akv._poll import Backoff
+from akv.errors import ClosedError
+from akv.geometry.spec import KVSpec
+from akv.metrics import Metrics
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
+    from exceptiongroup import BaseExceptionGroup
+
+if TYPE_CHECKING:
+    import torch
+
+    from akv.backends import Backend
+
+__all__ = ["RankBase"]
+
+
+class RankBase:
+    """Validation, agent and poller lifetime common to both sides (not public).
+
+    Subclasses implement :meth:`_enter` (start what they need on the exit stack) and
+    :meth:`_teardown` (synchronous, after the tasks stopped and before the agent closes, so
+    cancellation cannot interrupt it). Leaving the context forwards the body's exception to
+    the task group; whatever was entered is closed, in reverse order, even if a step fails.
+    """
+
+    _role = "r"  # agent-name tag: "p" for prefill ranks, "d" for decode ranks
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        spec: KVSpec,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        engine_id: str,
+        backend: Backend | None,
+        progress_thread: bool,
+        spin_s: float,
+        poll_max_s: float,
+    ) -> None:
+        from akv.geometry.tensors import check_kv_cache
+
+        spec.validate()
+        spec.check_rank(tp_rank, tp_size)
+        check_kv_cache(kv_caches, spec, tp_rank, tp_size)
+        self.kv_caches = list(kv_caches)
+        self.spec = spec
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.engine_id = engine_id
+        self.metrics = Metrics()
+        self.closed = False
+        self._log = get_logger(type(self).__module__).bind(engine=engine_id, rank=tp_rank)
+        self._backend = backend
+        self._progress_thread = progress_thread
+        self._backoff = Backoff(spin_s=spin_s, max_sleep_s=poll_max_s)
+        self._tg: TaskGroup | None = None
+        self._stack: AsyncExitStack | None = None
+
+    @property
+    def backend(self) -> Backend:
+        """The transport backend (valid inside the context manager)."""
+        if self._backend is None or self._backend.closed:
+            raise ClosedError(f"the {type(self).__name__.lower()} is not running")
+        return self._backend
+
+    @property
+    def running(self) -> bool:
+        """True between entering and leaving the context."""
+        return self._tg is not None and not self.closed
+
+    async def __aenter__(self) -> Any:
+        if self._stack is not None or self.closed:
+            raise ClosedError(f"a {type(self).__name__} can be entered once")
+        async with AsyncExitStack() as stack:  # unwinds whatever started if a step fails
+            if self._backend is None:
+                from akv.backends.nixl import NixlBackend
+
+                name = f"{self.engine_id}-{self._role}{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+                self._backend = await anyio.to_thread.run_sync(
+                    lambda: NixlBackend(name, progress_thread=self._progress_thread)
+                )
+            backend = self._backend
+            stack.callback(backend.close)
+            stack.callback(self._close)
+            await anyio.to_thread.run_sync(backend.register, self.kv_caches)
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(tg.cancel_scope.cancel)  # runs first on exit: stop the pollers
+            self._tg = tg
+            await self._enter(stack, tg)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return None
+        try:
+            return await stack.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            # The task group wraps the body's own exception: give it back to the caller as is.
+            if exc is not None and _only(group, exc):
+                raise exc from None
+            raise
+
+    def _close(self) -> None:
+        self.closed = True
+        self._tg = None
+        self._teardown()
+
+    async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
+        """Start the subclass's tasks and resources."""
+        raise NotImplementedError
+
+    def _teardown(self) -> None:
+        """Release what the subclass holds (tasks are stopped, the agent still open)."""
+
+
+def _only(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:
+    """True if every leaf of ``group`` is ``exc`` itself."""
+    return all(_only(e, exc) if isinstance(e, BaseExceptionGroup) else e is exc for e in group.exceptions)

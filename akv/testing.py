@@ -1,0 +1,264 @@
+"""Helpers for tests, examples, demos and benchmarks: deterministic KV contents, filling and
+verifying caches, announced requests, and ``akv`` processes with their JSON lines.
+
+Contents: byte ``i`` of the element at (layer, K/V, global head, token of the request, dim)
+of request ``seed`` gets a hash of those global indices, so any misplaced head, token,
+layer, K/V plane or block shows up when a decode rank compares its cache with
+:func:`expected_blocks`. torch is imported only by the functions that touch tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from akv import sharding
+from akv.errors import AkvError, ConfigError
+from akv.geometry.spec import KVSpec
+from akv.protocol.messages import RequestInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ProgressBar",
+    "ajson_lines",
+    "expected_blocks",
+    "fetch_requests",
+    "fill_request",
+    "json_lines",
+    "make_requests",
+    "spawn_prefill",
+    "spec_argv",
+    "verify_request",
+]
+
+
+def expected_blocks(
+    spec: KVSpec,
+    tp_rank: int,
+    tp_size: int,
+    region: int,
+    seed: int,
+    positions: npt.ArrayLike,
+) -> npt.NDArray[np.uint8]:
+    """The bytes of the blocks at ``positions`` (block index within the request) of one region.
+
+    Returns an array of shape ``(len(positions), block_bytes)`` in the rank's own layout.
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    seed &= 0xFFFF
+    nbytes = spec.head_dim * spec.element_size
+    if spec.kind == "mla":
+        layer, kvs, heads = region, np.zeros(1, np.int64), np.zeros(1, np.int64)
+    else:
+        held = sharding.held_heads(tp_rank, tp_size, spec.kv_heads)
+        heads = np.arange(held.start, held.stop, dtype=np.int64)
+        if spec.joint_kv:
+            layer, kvs = region, np.arange(2, dtype=np.int64)
+        else:
+            layer, kvs = region // 2, np.array([region % 2], dtype=np.int64)
+    tokens = np.arange(spec.block_size, dtype=np.int64)
+    byte = np.arange(nbytes, dtype=np.int64)
+    # Axes: (pos, kv, head, token, byte); NHD swaps head and token.
+    key = (
+        (
+            ((seed * 1_000_003 + layer) * 2 + kvs[None, :, None, None, None]) * 4096
+            + heads[None, None, :, None, None]
+        )
+        * 65_536
+        + pos[:, None, None, None, None] * spec.block_size
+        + tokens[None, None, None, :, None]
+    ) * 65_536 + byte[None, None, None, None, :]
+    mixed = _mix(key)
+    out = mixed.astype(np.uint8)
+    if spec.layout == "NHD" and spec.kind == "dense":
+        out = out.transpose(0, 1, 3, 2, 4)
+    if not spec.joint_kv:
+        out = out[:, 0]
+    return np.ascontiguousarray(out).reshape(len(pos), -1)
+
+
+def _mix(key: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+    x = key.astype(np.uint64)
+    x ^= x >> np.uint64(29)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(32)
+    out: npt.NDArray[np.uint64] = x >> np.uint64(24)
+    return out
+
+
+# -- filling and verifying caches ---------------------------------------------------------
+
+
+def _block_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    import torch
+
+    return t.view(torch.uint8).view(num_blocks, -1)
+
+
+def fill_request(
+    kv: Sequence[torch.Tensor], spec: KVSpec, rank: int, size: int, block_ids: Sequence[int], seed: int
+) -> None:
+    """Write request ``seed``'s deterministic contents into ``block_ids`` of one rank's cache."""
+    import torch
+
+    idx = torch.as_tensor(list(block_ids))
+    positions = np.arange(len(block_ids))
+    for region, t in enumerate(kv):
+        _block_view(t, spec.num_blocks)[idx] = torch.from_numpy(
+            expected_blocks(spec, rank, size, region, seed, positions)
+        )
+
+
+def verify_request(
+    kv: Sequence[torch.Tensor],
+    spec: KVSpec,
+    rank: int,
+    size: int,
+    block_ids: Sequence[int],
+    seed: int,
+    positions: npt.ArrayLike,
+) -> bool:
+    """True if ``block_ids`` of one rank's cache hold request ``seed``'s blocks at ``positions``."""
+    idx = list(block_ids)
+    pos = np.asarray(positions)
+    for region, t in enumerate(kv):
+        got = _block_view(t, spec.num_blocks)[idx].cpu().numpy()
+        if not np.array_equal(got, expected_blocks(spec, rank, size, region, seed, pos)):
+            return False
+    return True
+
+
+def make_requests(spec: KVSpec, count: int, per_request: int, seed: int) -> list[RequestInfo]:
+    """Deterministic requests over distinct, shuffled (fragmented) prefill blocks."""
+    if count * per_request > spec.num_blocks:
+        raise ConfigError(
+            f"{count} requests x {per_request} blocks exceed the {spec.num_blocks}-block pool: "
+            "raise --blocks or lower --requests/--blocks-per-request"
+        )
+    order = np.random.default_rng(seed).permutation(spec.num_blocks)
+    return [
+        RequestInfo(
+            request_id=f"req-{seed}-{i}",
+            block_ids=order[i * per_request : (i + 1) * per_request].tolist(),
+            seed=i + 1,
+        )
+        for i in range(count)
+    ]
+
+
+# -- processes and their JSON lines -------------------------------------------------------
+
+
+def spec_argv(spec: KVSpec) -> list[str]:
+    """The ``akv`` model flags that describe ``spec``."""
+    argv = [
+        "--kv-heads", str(spec.kv_heads),
+        "--layers", str(spec.layers),
+        "--blocks", str(spec.num_blocks),
+        "--block-size", str(spec.block_size),
+        "--head-dim", str(spec.head_dim),
+        "--dtype", spec.dtype,
+        "--layout", spec.layout,
+    ]  # fmt: skip
+    if spec.kind == "mla":
+        argv.append("--mla")
+    if spec.joint_kv:
+        argv.append("--joint-kv")
+    return argv
+
+
+def json_lines(stream: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The JSON objects a CLI process prints, one a line (UCX may interleave lines of its own)."""
+    for line in stream:
+        if line.startswith("{"):
+            yield dict(json.loads(line))
+
+
+async def ajson_lines(stream: Any) -> AsyncIterator[dict[str, Any]]:
+    """:func:`json_lines` for an anyio byte stream (a process's stdout)."""
+    import anyio
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+    buf = BufferedByteReceiveStream(stream)
+    while True:
+        try:
+            line = await buf.receive_until(b"\n", 1 << 20)
+        except (anyio.IncompleteRead, anyio.EndOfStream):
+            return
+        text = line.decode(errors="replace").strip()
+        if text.startswith("{"):
+            yield dict(json.loads(text))
+
+
+def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """Start ``akv prefill ARGV --json`` in another process; returns it and its endpoint.
+
+    Raises :class:`AkvError` if the process exits before printing its ``ready`` line.
+    """
+    cmd = [sys.executable, "-m", "akv", "prefill", *argv, "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    for msg in json_lines(proc.stdout or iter(())):
+        if msg.get("event") == "ready":
+            return proc, str(msg["endpoint"])
+    raise AkvError(f"akv prefill exited ({proc.wait()}) before it was ready: {' '.join(cmd)}")
+
+
+async def fetch_requests(
+    endpoint: str, spec: KVSpec, secret: str | None, engine_id: str
+) -> list[RequestInfo]:
+    """Ask a prefill engine which requests it exposed (the demo's stand-in for a router)."""
+    from akv.protocol.address import parse_endpoint
+    from akv.protocol.handshake import resolve_secret
+    from akv.protocol.messages import Hello
+    from akv.runtime.control import client_handshake
+
+    hello = Hello(
+        engine_id=engine_id,
+        tp_rank=0,
+        tp_size=1,
+        spec=spec,
+        compat=spec.compat_hash(),
+        nonce=secrets.token_bytes(16),
+    )
+    result = await client_handshake(
+        parse_endpoint(endpoint),
+        hello,
+        secret=resolve_secret(secret),
+        choose_ranks=lambda ch: [],
+        list_requests=True,
+    )
+    return list(result.requests or [])
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (drawn only where ``enabled``)."""
+
+    def __init__(self, enabled: bool, label: str = "pulling", width: int = 30) -> None:
+        self.enabled = enabled
+        self.label = label
+        self.width = width
+
+    def update(self, done: int, total: int, note: str = "") -> None:
+        """Redraw with ``done`` of ``total``."""
+        if not self.enabled or total <= 0:
+            return
+        filled = self.width * done // total
+        bar = "#" * filled + "." * (self.width - filled)
+        sys.stderr.write(f"\r\033[K  {self.label} [{bar}] {done}/{total} {note}".rstrip() + " ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        """End the line."""
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
