@@ -144,8 +144,11 @@ async def test_hung_peer_times_out_and_releases_by_lease() -> None:
     assert proc.returncode == 3  # some requests were released by lease, not by read
 
 
-async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read from a stopped peer (TCP transport) fails with TransferTimeout, not a hang."""
+async def test_transfer_to_hung_peer_times_out(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A read from a stopped peer (TCP transport) fails with TransferTimeout, not a hang; once
+    the peer dies, the operations UCX still held for it are freed (none left at close)."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     spec = big_spec()
     proc, endpoint = start_prefill(env=TCP)
@@ -168,9 +171,14 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
                     results.append("timeout")
             assert "timeout" in results
             assert not consumer.inflight
+            proc.kill()  # the hung peer dies: the consumer's idle poller lets UCX reap its operations
+            proc.wait(5)
+            await anyio.sleep(1.0)
+        assert "pending operations were not flushed" not in capfd.readouterr().out
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
         proc.wait(5)
 
 

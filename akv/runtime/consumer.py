@@ -34,6 +34,9 @@ __all__ = ["Consumer", "PullRequest", "Transfer", "TransferResult", "TransferSes
 
 #: Seconds the poller keeps progressing the agent after standalone notices were sent.
 FLUSH_S = 0.05
+#: Seconds after a timed-out pull during which the idle poller still progresses the agent
+#: (every REAP_EVERY_S), so UCX frees the operations to a hung peer once it dies or resumes.
+REAP_S, REAP_EVERY_S = 120.0, 0.25
 
 
 class CheckPool:
@@ -141,6 +144,7 @@ class Consumer(RankBase):
         self._tracker = TransferTracker()
         self._zombies: dict[XferHandle, int | None] = {}  # handle -> check slot it may still write
         self._flush_until = 0.0
+        self._reap_until = 0.0
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         backend = self.backend
@@ -253,6 +257,10 @@ class Consumer(RankBase):
         transfer.state.fail()
         self._tracker.discard(transfer.state)
         transfer.session.transfers.discard(transfer)
+        if isinstance(error, TransferTimeout):
+            # Operations to a hung peer stay pending in UCX (releasing a handle does not cancel
+            # them) until the peer dies or resumes *and* this agent progresses: keep reaping.
+            self._reap_until = time.monotonic() + REAP_S
         if not was_done:
             self.metrics.inc(
                 "transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed"
@@ -353,7 +361,8 @@ class Consumer(RankBase):
             if progressed:
                 backoff.progressed()
             flushing = now < self._flush_until
-            if flushing:
+            reaping = now < self._reap_until
+            if flushing or reaping:
                 try:
                     backend.progress()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
@@ -361,4 +370,5 @@ class Consumer(RankBase):
             if len(self._tracker) or flushing:
                 await backoff.wait(busy=True)
             else:
-                await backoff.wait(busy=False, limit=math.inf if not self._zombies else 0.01)
+                limit = 0.01 if self._zombies else REAP_EVERY_S if reaping else math.inf
+                await backoff.wait(busy=False, limit=limit)

@@ -19,7 +19,14 @@ import numpy as np
 import numpy.typing as npt
 
 from akv import exposure
-from akv.errors import AkvError, ClosedError, ConfigError, IncompatiblePeerError, PeerLostError, TransferError
+from akv.errors import (
+    AkvError,
+    ClosedError,
+    ConfigError,
+    IncompatiblePeerError,
+    PeerLostError,
+    TransferError,
+)
 from akv.plan import RankMemory, ReadOp, RequestReads, TransferPlan, request_key
 from akv.protocol.address import Endpoint
 from akv.protocol.handshake import HandshakeResult
@@ -37,7 +44,8 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     With fewer local than remote blocks (a partial prefix hit), only the last remote blocks
     are read, into the local blocks in order. ``remote_block_ids`` is always the request's
-    whole exposure: the pull checks it against what the prefill rank exposed.
+    whole exposure, as the prefill engine announced it after ``expose()``: the pull checks,
+    after its reads, that the request is still exposed with exactly these blocks.
     """
 
     request_id: str
@@ -296,7 +304,9 @@ class TransferSession:
         await self.handshake()
 
     def mark_broken(self, error: AkvError) -> None:
-        """Note a failure; a lost peer makes the next pull re-handshake (nothing clears that but one)."""
+        """Note a failure: a lost peer makes the next pull re-handshake with fresh agents
+        (nothing clears that but a successful handshake). A timeout does not: the peer may
+        only be slow, and a handshake with a hung peer would just time out too."""
         self.broken = self.broken or isinstance(error, PeerLostError)
 
     # -- pulling -------------------------------------------------------------------------
