@@ -29,11 +29,14 @@ from akv.errors import (
     BlockIdError,
     ClosedError,
     ConfigError,
+    DiscoveryError,
+    EtcdUnavailableError,
     FrameError,
     HandshakeError,
     IncompatiblePeerError,
     LayoutError,
     LeaseExpiredError,
+    MissingRanksError,
     NotExposedError,
     OutsideExposureError,
     PeerLostError,
@@ -50,9 +53,10 @@ if TYPE_CHECKING:
     from akv.geometry.spec import KVSpec
     from akv.geometry.tensors import allocate_kv_cache
     from akv.metrics import Metrics, MetricsSnapshot, TransferStats
-    from akv.protocol.address import Endpoint
+    from akv.protocol.address import Endpoint, EngineAddress, parse_engine_address
     from akv.runtime.consumer import Consumer
     from akv.runtime.control import ControlServer
+    from akv.runtime.discovery import EtcdRegistry, RankRecord
     from akv.runtime.producer import Producer, Release
     from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
     from akv.sharding import expected_notifications, held_heads, plan_reads
@@ -64,11 +68,14 @@ _LAZY: dict[str, str] = {
     "Consumer": "akv.runtime.consumer",
     "ControlServer": "akv.runtime.control",
     "Endpoint": "akv.protocol.address",
+    "EngineAddress": "akv.protocol.address",
+    "EtcdRegistry": "akv.runtime.discovery",
     "KVSpec": "akv.geometry.spec",
     "Metrics": "akv.metrics",
     "MetricsSnapshot": "akv.metrics",
     "Producer": "akv.runtime.producer",
     "PullRequest": "akv.runtime.session",
+    "RankRecord": "akv.runtime.discovery",
     "Release": "akv.runtime.producer",
     "Transfer": "akv.runtime.session",
     "TransferResult": "akv.runtime.session",
@@ -76,6 +83,7 @@ _LAZY: dict[str, str] = {
     "TransferStats": "akv.metrics",
     "allocate_kv_cache": "akv.geometry.tensors",
     "expected_notifications": "akv.sharding",
+    "parse_engine_address": "akv.protocol.address",
     "held_heads": "akv.sharding",
     "plan_reads": "akv.sharding",
 }
@@ -103,7 +111,11 @@ __all__ = [
     "ConfigError",
     "Consumer",
     "ControlServer",
+    "DiscoveryError",
     "Endpoint",
+    "EngineAddress",
+    "EtcdRegistry",
+    "EtcdUnavailableError",
     "FrameError",
     "HandshakeError",
     "IncompatiblePeerError",
@@ -112,12 +124,14 @@ __all__ = [
     "LeaseExpiredError",
     "Metrics",
     "MetricsSnapshot",
+    "MissingRanksError",
     "NotExposedError",
     "OutsideExposureError",
     "PeerLostError",
     "Producer",
     "ProtocolError",
     "PullRequest",
+    "RankRecord",
     "Release",
     "ReleasedError",
     "Transfer",
@@ -133,5 +147,6 @@ __all__ = [
     "allocate_kv_cache",
     "expected_notifications",
     "held_heads",
+    "parse_engine_address",
     "plan_reads",
 ]

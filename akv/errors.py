@@ -9,11 +9,14 @@ __all__ = [
     "BlockIdError",
     "ClosedError",
     "ConfigError",
+    "DiscoveryError",
+    "EtcdUnavailableError",
     "FrameError",
     "HandshakeError",
     "IncompatiblePeerError",
     "LayoutError",
     "LeaseExpiredError",
+    "MissingRanksError",
     "NotExposedError",
     "OutsideExposureError",
     "PeerLostError",
@@ -76,6 +79,27 @@ class IncompatiblePeerError(HandshakeError):
 
 class AuthenticationError(HandshakeError):
     """The peer did not prove knowledge of the shared secret (or we could not)."""
+
+
+class DiscoveryError(HandshakeError):
+    """The ranks of a remote engine could not be found (etcd discovery)."""
+
+
+class EtcdUnavailableError(DiscoveryError):
+    """No etcd endpoint answered after bounded retries; ``endpoints`` names those tried."""
+
+    def __init__(self, message: str, endpoints: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.endpoints = endpoints
+
+
+class MissingRanksError(DiscoveryError, TimeoutError):
+    """Some ranks of an engine were not registered in etcd before the timeout; ``missing`` names them."""
+
+    def __init__(self, message: str, *, engine_id: str = "", missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.engine_id = engine_id
+        self.missing = missing
 
 
 class BackendError(AkvError):

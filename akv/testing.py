@@ -29,14 +29,17 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "EtcdServer",
     "ProgressBar",
     "ajson_lines",
+    "etcd_binary",
     "expected_blocks",
     "fetch_requests",
     "fill_request",
     "json_lines",
     "make_requests",
     "spawn_prefill",
+    "spawn_registrant",
     "spec_argv",
     "verify_request",
 ]
@@ -262,3 +265,153 @@ class ProgressBar:
         if self.enabled:
             sys.stderr.write("\n")
             sys.stderr.flush()
+
+
+def etcd_binary() -> str | None:
+    """The etcd server binary: ``$AKV_ETCD``, else ``etcd`` on PATH (Debian's etcd-server), else None."""
+    import shutil
+
+    found = os.environ.get("AKV_ETCD") or shutil.which("etcd") or shutil.which("etcd", path="/usr/bin")
+    return found if found and os.access(found, os.X_OK) else None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EtcdServer:
+    """A single-node etcd on free loopback ports with its own data dir (tests, benchmarks).
+
+    Short heartbeat and election settings make etcd's minimum lease TTL 1 s. The ports stay
+    the same across :meth:`stop` and :meth:`start`, so clients see the same endpoint come back.
+    """
+
+    def __init__(self, data_dir: str, *, binary: str | None = None) -> None:
+        found = binary or etcd_binary()
+        if found is None:
+            raise ConfigError("no etcd binary: install etcd-server (bash scripts/setup.sh) or set AKV_ETCD")
+        self.binary = found
+        self.data_dir = data_dir
+        self.client_port = _free_port()
+        self.peer_port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The client endpoint, ``127.0.0.1:PORT``."""
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 15.0) -> None:
+        """Start etcd (keeping its data) and wait until it serves requests."""
+        import time
+        import urllib.request
+
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
+        os.makedirs(self.data_dir, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+        with open(os.path.join(self.data_dir, "etcd.log"), "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    self.binary,
+                    "--name=akv-test",
+                    f"--data-dir={os.path.join(self.data_dir, 'member-data')}",
+                    f"--listen-client-urls={client}",
+                    f"--advertise-client-urls={client}",
+                    f"--listen-peer-urls={peer}",
+                    f"--initial-advertise-peer-urls={peer}",
+                    f"--initial-cluster=akv-test={peer}",
+                    "--heartbeat-interval=50",
+                    "--election-timeout=500",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AkvError(f"etcd exited ({self.proc.returncode}); see {self.data_dir}/etcd.log")
+            try:
+                with opener.open(f"{client}/health", timeout=1) as resp:
+                    if json.loads(resp.read()).get("health") == "true":
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise AkvError(f"etcd did not become healthy within {timeout} s")
+
+    def stop(self, *, wipe: bool = False) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL); ``wipe`` also deletes its data (a lost cluster)."""
+        import shutil
+
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if wipe:
+            shutil.rmtree(os.path.join(self.data_dir, "member-data"), ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+_REGISTRANT = """
+import sys, anyio
+from akv.runtime.discovery import EtcdRegistry, RankRecord
+etcd, ttl, engine, rank, size, endpoint, backend = sys.argv[1:8]
+async def main():
+    async with EtcdRegistry(etcd, ttl=float(ttl)) as registry, anyio.create_task_group() as tg:
+        record = RankRecord.create(engine, int(rank), int(size), endpoint)
+        ok = await tg.start(registry.keep_registered, record)
+        print("registered" if ok else "pending", flush=True)
+anyio.run(main, backend=backend)
+"""
+
+
+def spawn_registrant(
+    etcd: str,
+    engine_id: str,
+    tp_rank: int,
+    tp_size: int,
+    endpoint: str,
+    *,
+    ttl: float,
+    backend: str = "asyncio",
+) -> subprocess.Popen[str]:
+    """A process that keeps one rank registered in etcd (a stand-in for a prefill rank to kill).
+
+    Returns once the rank is registered; raises :class:`AkvError` if its first try failed.
+    """
+    import akv
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(akv.__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    args = [etcd, str(ttl), engine_id, str(tp_rank), str(tp_size), endpoint, backend]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _REGISTRANT, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if line != "registered":
+        proc.kill()
+        raise AkvError(f"registrant did not register ({line!r}, exit {proc.wait()})")
+    return proc

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install akv with its test extras. torch goes first, pinned, so that
 # nixl's unpinned torch requirement does not drag CUDA wheels onto a CPU machine.
+# Then etcd (Debian's etcd-server) for the discovery tests, if it is not there yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -8,3 +9,28 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==${AKV_TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[test]"
+
+# etcd server binary for tests/test_discovery.py (started by the tests on free loopback ports).
+if [ -z "${AKV_ETCD:-}" ] && ! command -v etcd >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then
+        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO="none"; fi
+    fi
+    if [ "$SUDO" = "none" ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "setup: no etcd and no root apt-get: install etcd 3.4+ (Debian: etcd-server) or set AKV_ETCD;" \
+            "the etcd discovery tests skip until then (and fail under CI)" >&2
+    else
+        export DEBIAN_FRONTEND=noninteractive
+        if [ -z "$(apt-cache policy etcd-server 2>/dev/null | grep 'Candidate:' | grep -v '(none)')" ]; then
+            $SUDO apt-get update -qq >/dev/null || true
+        fi
+        if $SUDO apt-get install -y -qq --no-install-recommends etcd-server >/dev/null 2>&1; then
+            # the package may start a system etcd on 2379; the tests run their own
+            if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet etcd 2>/dev/null; then
+                $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
+            fi
+        else
+            echo "setup: apt-get install etcd-server failed; the etcd discovery tests skip (and fail under CI)" >&2
+        fi
+    fi
+fi

@@ -1,4 +1,4 @@
-"""The ``akv`` command line: ``plan``, ``prefill``, ``decode``, ``demo`` and ``bench``.
+"""The ``akv`` command line: ``plan``, ``prefill``, ``decode``, ``demo``, ``engines`` and ``bench``.
 
 This is the only place that configures logging. Machine-readable output goes to stdout as
 JSON lines (with ``--json`` the last line is the summary); logs go to stderr.
@@ -19,6 +19,7 @@ from akv._log import configure_cli_logging
 from akv.cli.args import EXIT_FAILED, EXIT_USAGE, add_common, add_model_flags
 from akv.cli.decode import cmd_decode
 from akv.cli.demo import cmd_demo
+from akv.cli.engines import add_engines_parser
 from akv.cli.plan import cmd_plan
 from akv.cli.prefill import cmd_prefill
 from akv.errors import AkvError
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0)
     add_common(p)
     p.set_defaults(func=cmd_demo)
+
+    add_engines_parser(sub)
 
     from akv.bench.run import add_bench_parser
 
