@@ -37,7 +37,9 @@ __all__ = [
     "fetch_requests",
     "fill_request",
     "json_lines",
+    "load_requests",
     "make_requests",
+    "save_requests",
     "spawn_prefill",
     "spawn_registrant",
     "spec_argv",
@@ -157,6 +159,25 @@ def make_requests(spec: KVSpec, count: int, per_request: int, seed: int) -> list
         )
         for i in range(count)
     ]
+
+
+def load_requests(path: str) -> list[RequestInfo]:
+    """Requests from a JSON file (a list of RequestInfo objects); ConfigError if unreadable."""
+    import msgspec
+
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read(), type=list[RequestInfo])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConfigError(f"cannot read requests from {path!r}: {exc}") from None
+
+
+def save_requests(path: str, requests: Sequence[RequestInfo]) -> None:
+    """Write requests for :func:`load_requests`."""
+    import msgspec
+
+    with open(path, "wb") as f:
+        f.write(msgspec.json.encode(list(requests)))
 
 
 # -- processes and their JSON lines -------------------------------------------------------

@@ -20,6 +20,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,9 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import numpy as np
+
+from akv.protocol.messages import RequestInfo
+from akv.testing import save_requests
 
 __all__ = ["WORKLOADS", "Workload", "add_bench_parser", "run_bench"]
 
@@ -73,6 +77,7 @@ class Figures:
     perblock_descriptors: float = 0.0
     gbps: dict[str, float] = field(default_factory=dict)
     latency_ms: list[float] = field(default_factory=list)
+    latency_unchecked_ms: list[float] = field(default_factory=list)
     launch_akv_us: list[float] = field(default_factory=list)
     launch_nixl_us: list[float] = field(default_factory=list)
 
@@ -91,10 +96,12 @@ def _spec(w: Workload, layers: int) -> Any:
     )
 
 
-def _start_prefill(w: Workload, layers: int) -> tuple[subprocess.Popen[str], str]:
+def _start_prefill(w: Workload, layers: int, requests_file: str) -> tuple[subprocess.Popen[str], str]:
     from akv.testing import spawn_prefill, spec_argv
 
     return spawn_prefill(
+        "--requests-file",
+        requests_file,
         "--tp-size",
         str(w.prefill_tp),
         "--requests",
@@ -131,40 +138,59 @@ async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], No
     from akv.plan import request_key
     from akv.protocol.messages import Notice, encode_notice
 
-    proc, endpoint = _start_prefill(w, layers)
+    spec = _spec(w, layers)
+    rng = np.random.default_rng(7)
+    reqs = _requests(w, spec.num_blocks, rng)
+    with tempfile.TemporaryDirectory() as tmp:
+        # The prefill exposes exactly what akv pulls (checked pulls of unexposed requests fail):
+        # each request once for the warm-up and once for the measured pull.
+        exposed = [
+            RequestInfo(request_id=f"{rid}{suffix}", block_ids=remote.tolist())
+            for rid, _, remote in reqs
+            for suffix in ("", "-warm")
+        ]
+        save_requests(f"{tmp}/requests.json", exposed)
+        proc, endpoint = _start_prefill(w, layers, f"{tmp}/requests.json")
     fig = Figures(w.name)
     try:
-        spec = _spec(w, layers)
-        rng = np.random.default_rng(7)
-        reqs = _requests(w, spec.num_blocks, rng)
         async with AsyncExitStack() as stack:
-            consumers = []
+            consumers: list[Any] = []
+            unchecked: list[Any] = []
             for d in range(w.decode_tp):
-                c = akv.Consumer(
-                    akv.allocate_kv_cache(spec, d, w.decode_tp),
-                    spec,
-                    tp_rank=d,
-                    tp_size=w.decode_tp,
-                    backend=NixlBackend(f"bench-d{d}-{os.getpid()}-{w.name}", telemetry=True),
-                )
-                consumers.append(await stack.enter_async_context(c))
+                for verify_exposure, group in ((True, consumers), (False, unchecked)):
+                    tag = "" if verify_exposure else "u"
+                    c = akv.Consumer(
+                        akv.allocate_kv_cache(spec, d, w.decode_tp),
+                        spec,
+                        tp_rank=d,
+                        tp_size=w.decode_tp,
+                        verify_exposure=verify_exposure,
+                        backend=NixlBackend(f"bench-d{d}{tag}-{os.getpid()}-{w.name}", telemetry=True),
+                    )
+                    group.append(await stack.enter_async_context(c))
             sessions = [await c.connect(endpoint) for c in consumers]
+            unchecked_sessions = [await c.connect(endpoint) for c in unchecked]
             batches = [reqs[i : i + w.concurrency] for i in range(0, len(reqs), w.concurrency)]
 
             methods = _Methods(sessions, consumers, spec, fig, Notice, encode_notice, request_key)
+            methods.unchecked = unchecked_sessions
             order = ["akv", "nixl", "perblock", "memcpy"]
-            totals: dict[str, list[float]] = {m: [0.0, 0.0] for m in order}  # bytes, seconds
+            totals: dict[str, list[float]] = {m: [0.0, 0.0] for m in [*order, "akv_unchecked"]}
             progress(f"{w.name}: warming up")
-            for m in order:
-                await methods.run(m, batches[0], record=False)
-            progress(f"{w.name}: {len(batches)} batches x {len(order)} methods, interleaved")
+            warm = [(f"{rid}-warm", local, remote) for rid, local, remote in batches[0]]
+            for m in [*order, "akv_unchecked"]:
+                await methods.run(m, warm, record=False)
+            progress(f"{w.name}: {len(batches)} batches x {len(order) + 1} methods, interleaved")
             for i, batch in enumerate(batches):
                 # A Williams design: over 4 batches each method runs in each position once and
                 # follows each other method once, so cache and CPU after-effects cancel out.
+                # akv without the exposure check runs next to akv, in alternating order.
                 for m in (order[k] for k in _WILLIAMS[i % 4]):
-                    nbytes, seconds = await methods.run(m, batch, record=True)
-                    totals[m][0] += nbytes
-                    totals[m][1] += seconds
+                    pair = ["akv", "akv_unchecked"] if i % 2 else ["akv_unchecked", "akv"]
+                    for method in pair if m == "akv" else [m]:
+                        nbytes, seconds = await methods.run(method, batch, record=True)
+                        totals[method][0] += nbytes
+                        totals[method][1] += seconds
             for m, (moved, spent) in totals.items():
                 fig.gbps[m] = moved / spent / 1e9
             fig.bytes = int(totals["akv"][0]) // len(reqs)
@@ -193,6 +219,7 @@ class _Methods:
         import torch
 
         self.sessions, self.consumers, self.fig = sessions, consumers, fig
+        self.unchecked: list[Any] = []
         self.notice, self.encode, self.key = notice, encode, key
         self.expanded: dict[Any, Any] = {}
         for s, c in zip(sessions, consumers, strict=True):
@@ -210,29 +237,34 @@ class _Methods:
 
     async def run(self, method: str, batch: list[tuple[str, Any, Any]], record: bool) -> tuple[int, float]:
         if method == "akv":
-            return await self._akv(batch, record)
+            return await self._akv(batch, record, self.sessions, self.fig.latency_ms)
+        if method == "akv_unchecked":
+            return await self._akv(batch, record, self.unchecked, self.fig.latency_unchecked_ms)
         if method == "memcpy":
             return self._memcpy(batch)
         return self._raw(batch, merge=method == "nixl", record=record)
 
-    async def _akv(self, batch: list[tuple[str, Any, Any]], record: bool) -> tuple[int, float]:
+    async def _akv(
+        self, batch: list[tuple[str, Any, Any]], record: bool, sessions: list[Any], latency: list[float]
+    ) -> tuple[int, float]:
         total = 0
         t0 = time.perf_counter()
         transfers = []
+        checked = sessions is self.sessions
         for rid, local, remote in batch:
-            for s in self.sessions:
+            for s in sessions:
                 tl = time.perf_counter()
-                transfers.append(await s.pull(rid, local, remote))
-                if record:
+                transfers.append(await s.pull(rid if checked else f"{rid}-u", local, remote))
+                if record and checked:
                     self.fig.launch_akv_us.append((time.perf_counter() - tl) * 1e6)
         for t in transfers:
             res = await t
             total += res.bytes
-            if record:
+            if record and checked:
                 self.fig.descriptors_submitted += res.descriptors
         seconds = time.perf_counter() - t0
         if record:
-            self.fig.latency_ms.extend([seconds * 1e3] * len(batch))
+            latency.extend([seconds * 1e3] * len(batch))
         return total, seconds
 
     def _raw(self, batch: list[tuple[str, Any, Any]], *, merge: bool, record: bool) -> tuple[int, float]:
@@ -435,6 +467,9 @@ async def run_bench(quick: bool, progress: Callable[[str], None]) -> dict[str, A
                 "akv_vs_nixl": round(f.gbps["akv"] / f.gbps["nixl"], 3),
                 "p50_ms": round(float(np.percentile(f.latency_ms, 50)), 3),
                 "p99_ms": round(float(np.percentile(f.latency_ms, 99)), 3),
+                "unchecked_gbps": round(f.gbps["akv_unchecked"], 3),
+                "unchecked_p50_ms": round(float(np.percentile(f.latency_unchecked_ms, 50)), 3),
+                "check_cost": round(f.gbps["akv_unchecked"] / f.gbps["akv"], 3),
             }
             for f in figures
         ],
@@ -463,6 +498,8 @@ def _print_table(summary: dict[str, Any]) -> None:
         "akv_vs_nixl",
         "p50_ms",
         "p99_ms",
+        "unchecked_gbps",
+        "unchecked_p50_ms",
     )
     rows = [[str(w[c]) for c in cols] for w in summary["workloads"]]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hold", action="store_true", help="keep serving after every request is released")
     p.add_argument("--no-fill", action="store_true", help="leave the cache zeroed (benchmarks)")
     p.add_argument(
+        "--requests-file",
+        metavar="FILE.json",
+        help="expose these requests instead of generated ones: a JSON list of "
+        '{"request_id": ..., "block_ids": [...], "seed": N} (benchmarks)',
+    )
+    p.add_argument(
         "--allow-insecure",
         action="store_true",
         help="serve a non-loopback address without a secret (trusted networks only)",

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 
 from akv.cli.args import EXIT_EXPIRED, EXIT_FAILED, EXIT_OK, emit, report, spec_from_args
-from akv.testing import fill_request, make_requests
+from akv.testing import fill_request, load_requests, make_requests
 
 __all__ = ["cmd_prefill", "run_prefill"]
 
@@ -26,7 +26,10 @@ async def run_prefill(
     from akv.runtime.producer import Producer, Release
 
     spec = spec_from_args(a)
-    requests = make_requests(spec, a.requests, a.blocks_per_request, a.seed)
+    if a.requests_file:
+        requests = load_requests(a.requests_file)
+    else:
+        requests = make_requests(spec, a.requests, a.blocks_per_request, a.seed)
     per_request: dict[str, list[str]] = {r.request_id: [] for r in requests}
 
     def on_release(rel: Release) -> None:

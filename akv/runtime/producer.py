@@ -112,6 +112,7 @@ class Producer(RankBase):
         self._expected: dict[int, int] = {}
         self._notifiers: dict[tuple[int, int], bool] = {}
         self._peers: dict[str, int] = {}
+        self._warned: set[tuple[str, int]] = set()
         self.ledger = ReleaseLedger(
             spec.num_blocks,
             lease_s=self.lease_s,
@@ -274,7 +275,11 @@ class Producer(RankBase):
         invalid = self.ledger.counters.get("notifications_invalid", 0)
         self._deliver(self.ledger.on_notice(notice, time.monotonic()))
         if self.ledger.counters.get("notifications_invalid", 0) > invalid:
-            self._log.warning(
+            # Warn once per decode rank (a buggy or hostile peer must not flood the logs).
+            peer = (notice.engine_id, notice.decode_rank)
+            log = self._log.debug if peer in self._warned else self._log.warning
+            self._warned.add(peer)
+            log(
                 "notification ignored (unexpected decode rank, or blocks other than the exposed ones)",
                 peer=notice.engine_id,
                 decode_rank=notice.decode_rank,
