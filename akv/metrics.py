@@ -26,6 +26,7 @@ COUNTERS: tuple[str, ...] = (
     "notifications_received",
     "notifications_unknown",
     "notifications_invalid",
+    "notifications_unbound",
     "exposed",
     "released_read",
     "released_expired",

@@ -47,7 +47,7 @@ class Rank:
             tp_rank=0, agent_name="a", agent_metadata=b"SECRET-METADATA", region_addrs=[1, 2, 3, 4]
         )
 
-    def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int) -> None:
+    def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None:
         self.peers.append((engine_id, decode_rank, decode_tp))
 
 

@@ -44,6 +44,8 @@ from akv.protocol.messages import (
     Metadata,
     MetadataRequest,
     RankInfo,
+    Register,
+    Registered,
     RequestInfo,
     Requests,
 )
@@ -55,6 +57,7 @@ __all__ = [
     "HostedRank",
     "ServerConversation",
     "mac",
+    "register_mac",
     "resolve_secret",
 ]
 
@@ -86,7 +89,20 @@ class HostedRank(Protocol):
 
     def rank_info(self) -> RankInfo: ...
 
-    def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int) -> None: ...
+    def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None: ...
+
+
+def register_mac(secret: bytes, msg: Register) -> bytes:
+    """The MAC a rank's registration with its bootstrap carries."""
+    return mac(
+        secret,
+        b"akv-register",
+        msg.engine_id.encode(),
+        str(msg.tp_rank).encode(),
+        str(msg.tp_size).encode(),
+        msg.endpoint.encode(),
+        msg.compat.encode(),
+    )
 
 
 class ServerConversation:
@@ -102,11 +118,15 @@ class ServerConversation:
         secret: bytes | None,
         directory: Callable[[], Sequence[RequestInfo]] | None = None,
         metrics: Metrics | None = None,
+        endpoints: Callable[[], list[str]] | None = None,
+        register: Callable[[Register], str] | None = None,
     ) -> None:
         self.ranks = ranks
         self.secret = secret
         self.directory = directory
         self.metrics = metrics or Metrics()
+        self.endpoints = endpoints
+        self.register = register
         self.state = "hello"
         self.nonce = _secrets.token_bytes(16)
         self.hello: Hello | None = None
@@ -124,6 +144,8 @@ class ServerConversation:
             return self._fail("version", str(msg))
         if isinstance(msg, AkvError):
             return self._fail("protocol", str(msg))
+        if self.state == "hello" and isinstance(msg, Register):
+            return self._on_register(msg)
         if self.state == "hello":
             return self._on_hello(msg)
         if isinstance(msg, MetadataRequest):
@@ -132,6 +154,19 @@ class ServerConversation:
             items = list(self.directory()) if self.directory else []
             return [Requests(items=items)], False
         return self._fail("protocol", f"unexpected {type(msg).__name__} in state {self.state}")
+
+    def _on_register(self, msg: Register) -> tuple[list[Message], bool]:
+        if self.register is None:
+            return self._fail("register", "this endpoint is not an engine's bootstrap (rank 0)")
+        if self.secret is not None and not hmac.compare_digest(register_mac(self.secret, msg), msg.mac):
+            self.metrics.inc("auth_failures")
+            return self._fail("auth", "registration refused: wrong or missing shared secret")
+        try:
+            engine_id = self.register(msg)
+        except ConfigError as exc:
+            return self._fail("register", str(exc))
+        self.state = "closed"
+        return [Registered(engine_id=engine_id)], True
 
     def _on_hello(self, msg: Message) -> tuple[list[Message], bool]:
         if not isinstance(msg, Hello):
@@ -163,6 +198,7 @@ class ServerConversation:
                 nonce=self.nonce,
                 auth=self.secret is not None,
                 lease_s=first.lease_s,
+                endpoints=self.endpoints() if self.endpoints else [],
             )
         ], False
 
@@ -184,7 +220,7 @@ class ServerConversation:
         try:
             for rank in sorted(set(msg.ranks)):
                 hosted = self.ranks[rank]
-                hosted.peer_connected(hello.engine_id, hello.tp_rank, hello.tp_size)
+                hosted.peer_connected(hello.engine_id, hello.tp_rank, hello.tp_size, hello.agent_name)
                 infos.append(hosted.rank_info())
         except AkvError as exc:  # e.g. a rank shutting down: fail this handshake, keep serving
             return self._fail("config", f"prefill rank unavailable: {exc}")

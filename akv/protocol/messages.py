@@ -8,7 +8,9 @@ whole union is decoded and validated.
 Protocol history:
 
 * 1 — first version: Hello / Challenge / MetadataRequest / Metadata / ListRequests /
-  Requests / Error; notifications ``done`` and ``extend``.
+  Requests / Error; notifications ``done`` and ``extend``. Appended since (fields with
+  defaults): exposure tables in RankInfo, digests in notices, the decode agent's name in
+  Hello, rank endpoints in Challenge, and Register / Registered (ranks with their bootstrap).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ __all__ = [
     "MetadataRequest",
     "Notice",
     "RankInfo",
+    "Register",
+    "Registered",
     "RequestInfo",
     "Requests",
     "decode_message",
@@ -64,6 +68,7 @@ class Hello(_Msg, frozen=True, tag=True, kw_only=True):
     spec: KVSpec
     compat: str
     nonce: bytes
+    agent_name: str = ""  # the decode rank's NIXL agent: its notices are bound to it
 
 
 class Challenge(_Msg, frozen=True, tag=True, kw_only=True):
@@ -76,6 +81,28 @@ class Challenge(_Msg, frozen=True, tag=True, kw_only=True):
     nonce: bytes
     auth: bool
     lease_s: float = 0.0
+    endpoints: list[str] = []  # every rank's control endpoint in rank order, "" if unknown yet
+
+
+class Register(_Msg, frozen=True, tag=True, kw_only=True):
+    """Prefill rank -> its engine's bootstrap (rank 0): "rank ``tp_rank`` serves ``endpoint``".
+
+    ``mac = HMAC(secret, "akv-register" | engine_id | tp_rank | tp_size | endpoint | compat)``
+    when the engines share a secret.
+    """
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    endpoint: str
+    compat: str
+    mac: bytes = b""
+
+
+class Registered(_Msg, frozen=True, tag=True, kw_only=True):
+    """Bootstrap -> rank: registered; ``engine_id`` is the engine's name."""
+
+    engine_id: str
 
 
 class MetadataRequest(_Msg, frozen=True, tag=True, kw_only=True):
@@ -126,12 +153,14 @@ class Requests(_Msg, frozen=True, tag=True, kw_only=True):
 class Error(_Msg, frozen=True, tag=True, kw_only=True):
     """Either side: why the exchange stops. ``code`` is machine readable."""
 
-    code: Literal["version", "incompatible", "auth", "protocol", "busy", "config", "unknown_rank"]
+    code: Literal["version", "incompatible", "auth", "protocol", "busy", "config", "unknown_rank", "register"]
     message: str
     fields: list[str] = msgspec.field(default_factory=list)
 
 
-Message = Hello | Challenge | MetadataRequest | Metadata | ListRequests | Requests | Error
+Message = (
+    Hello | Challenge | MetadataRequest | Metadata | ListRequests | Requests | Error | Register | Registered
+)
 
 
 class _Probe(msgspec.Struct):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from akv.backends import DlistHandle, XferHandle, mem_type
 from akv.errors import AkvError, BackendError, ClosedError, ConfigError, TransferError, TransferTimeout
 from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory
-from akv.protocol.address import Endpoint, parse_endpoint
+from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
 from akv.runtime.rank import RankBase
 from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
@@ -78,7 +79,10 @@ class Consumer(RankBase):
         spec: the cache description (the same model as the prefill engine's).
         tp_rank: this rank's index in ``[0, tp_size)``.
         tp_size: the decode engine's tensor-parallel size.
-        engine_id: the decode engine's name, the same on every rank.
+        engine_id: the decode engine's name, the same on every rank (prefill ranks count
+            readers per decode engine and rank). Default: a name unique to this process, right
+            for an engine whose ranks all live in it; give every rank of a multi-process
+            engine the same explicit name.
         secret: shared secret for the control plane (default ``$AKV_SECRET``).
         connect_timeout: seconds to open a control connection.
         handshake_timeout: seconds for one handshake.
@@ -102,7 +106,7 @@ class Consumer(RankBase):
         *,
         tp_rank: int,
         tp_size: int,
-        engine_id: str = "decode",
+        engine_id: str | None = None,
         secret: str | bytes | None = None,
         connect_timeout: float = 5.0,
         handshake_timeout: float = 10.0,
@@ -120,7 +124,7 @@ class Consumer(RankBase):
             spec,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            engine_id=engine_id,
+            engine_id=check_engine_id(engine_id) if engine_id else f"decode-{uuid.uuid4().hex[:8]}",
             backend=backend,
             progress_thread=progress_thread,
             spin_s=spin_s,
@@ -184,8 +188,13 @@ class Consumer(RankBase):
             handle = self._local_dlists[key] = self.backend.prep("", table, self.mem_type)
         return handle
 
-    async def connect(self, endpoint: str | Endpoint | tuple[str, int]) -> TransferSession:
-        """The session to the prefill engine at ``endpoint``, handshaking once if needed.
+    async def connect(self, endpoint: str | EngineAddress | Endpoint | tuple[str, int]) -> TransferSession:
+        """The session to the prefill engine at an address, handshaking once if needed.
+
+        Address forms: ``"HOST:PORT"`` (the engine's bootstrap, rank 0's control endpoint; a
+        TP-1 engine's own endpoint), ``"HOST:PORT,HOST:PORT,..."`` (every rank's endpoint in
+        rank order) and ``"etcd://HOST:PORT[,HOST:PORT...]/ENGINE_ID"`` (ranks registered in
+        etcd). The session handshakes with every prefill rank this rank needs, concurrently.
 
         Concurrent callers share one handshake; if it fails, each waiter tries again in turn.
         Raises :class:`HandshakeError` (or :class:`IncompatiblePeerError`,
@@ -193,8 +202,8 @@ class Consumer(RankBase):
         """
         if not self.running:
             raise ClosedError("the consumer is not running")
-        ep = parse_endpoint(endpoint)
-        key = str(ep)
+        address = parse_engine_address(endpoint)
+        key = str(address)
         while True:
             session = self._sessions.get(key)
             if session is not None and not session.closed:
@@ -205,7 +214,7 @@ class Consumer(RankBase):
             await pending.wait()  # then look again: the other caller succeeded, or we try
         done = self._connecting[key] = anyio.Event()
         try:
-            session = TransferSession(self, ep)
+            session = TransferSession(self, address)
             await session.handshake()
             self._sessions[key] = session
             return session
@@ -299,7 +308,7 @@ class Consumer(RankBase):
             try:
                 transfer.session.post_checks(transfer)
             except TransferError as exc:
-                transfer.session.mark_broken(exc)
+                transfer.session.mark_broken(exc, getattr(exc, "prefill_rank", None))
                 self.fail(transfer, exc)
                 return
             self._check(transfer, time.monotonic())
@@ -317,7 +326,7 @@ class Consumer(RankBase):
             try:
                 done = backend.state(handle) == "DONE"
             except TransferError as exc:
-                transfer.session.mark_broken(exc)
+                transfer.session.mark_broken(exc, state.pending.get(handle))
                 self.fail(transfer, exc)
                 return True
             if done:

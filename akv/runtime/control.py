@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 from anyio.abc import SocketStream, TaskStatus
 
 from akv._log import get_logger
@@ -23,6 +24,8 @@ from akv.protocol.handshake import (
     HandshakeResult,
     HostedRank,
     ServerConversation,
+    raise_for_error,
+    register_mac,
     resolve_secret,
 )
 from akv.protocol.messages import (
@@ -33,6 +36,8 @@ from akv.protocol.messages import (
     FrameBuffer,
     Hello,
     Message,
+    Register,
+    Registered,
     RequestInfo,
     decode_message,
     encode_frame,
@@ -44,6 +49,7 @@ __all__ = [
     "HandshakeResult",
     "client_handshake",
     "parse_endpoint",
+    "register_rank",
     "resolve_secret",
 ]
 
@@ -77,6 +83,7 @@ class ControlServer:
         max_frame: int = DEFAULT_SERVER_MAX_FRAME,
         directory: Callable[[], Sequence[RequestInfo]] | None = None,
         metrics: Metrics | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         self.secret = resolve_secret(secret)
         if not is_loopback(host) and self.secret is None and not allow_insecure:
@@ -91,7 +98,10 @@ class ControlServer:
         self.max_frame = max_frame
         self.directory = directory
         self.metrics = metrics or Metrics()
+        # What other ranks are told: give the reachable address when binding 0.0.0.0 or ::.
+        self.advertise_host = advertise_host or host
         self.ranks: dict[int, HostedRank] = {}
+        self.registered: dict[int, str] = {}  # as a bootstrap: rank -> control endpoint
         self._conns: dict[int, _Conn] = {}
         self._endpoint: Endpoint | None = None
 
@@ -116,10 +126,45 @@ class ControlServer:
 
     @property
     def endpoint(self) -> Endpoint:
-        """The bound address (valid once serving)."""
+        """The address this server is reached at (valid once serving)."""
         if self._endpoint is None:
             raise ConfigError("the control server is not listening yet")
         return self._endpoint
+
+    def rank_endpoints(self) -> list[str]:
+        """Every rank's control endpoint in rank order ("" where unknown): hosted ranks, and
+        ranks registered with this server as their engine's bootstrap."""
+        if not self.ranks:
+            return []
+        size = next(iter(self.ranks.values())).tp_size
+        out = [self.registered.get(r, "") for r in range(size)]
+        if self._endpoint is not None:
+            for r in self.ranks:
+                out[r] = str(self._endpoint)
+        return out
+
+    def register(self, msg: Register) -> str:
+        """Accept a rank's registration (this server hosts rank 0); returns the engine id."""
+        first = self.ranks.get(0)
+        if first is None:
+            raise ConfigError("this endpoint does not serve rank 0, so it is no engine's bootstrap")
+        if msg.engine_id and msg.engine_id != first.engine_id:
+            raise ConfigError(
+                f"rank {msg.tp_rank} belongs to engine {msg.engine_id!r}, this bootstrap to {first.engine_id!r}"
+            )
+        if msg.tp_size != first.tp_size or not 0 < msg.tp_rank < first.tp_size:
+            raise ConfigError(
+                f"rank {msg.tp_rank} of TP size {msg.tp_size} does not fit this engine of TP size {first.tp_size}"
+            )
+        if msg.compat != first.spec.compat_hash():
+            raise ConfigError(
+                f"rank {msg.tp_rank} describes another KV cache than rank 0 (compat hash differs)"
+            )
+        parse_endpoint(msg.endpoint)
+        if self.registered.get(msg.tp_rank) != msg.endpoint:
+            log.info("rank registered", engine=first.engine_id, rank=msg.tp_rank, endpoint=msg.endpoint)
+        self.registered[msg.tp_rank] = msg.endpoint
+        return first.engine_id
 
     async def serve(self, *, task_status: TaskStatus[Endpoint] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until cancelled; reports the bound endpoint via ``task_status``."""
@@ -127,7 +172,7 @@ class ControlServer:
         from anyio.abc import SocketAttribute
 
         port = listener.extra(SocketAttribute.local_port)
-        self._endpoint = Endpoint(self.host, port)
+        self._endpoint = Endpoint(self.advertise_host, port)
         log.info("control server listening", endpoint=str(self._endpoint), auth=self.secret is not None)
         async with listener:
             task_status.started(self._endpoint)
@@ -160,7 +205,14 @@ class ControlServer:
                 self._conns.pop(id(conn), None)
 
     async def _converse(self, stream: SocketStream, conn: _Conn) -> None:
-        conv = ServerConversation(self.ranks, self.secret, self.directory, self.metrics)
+        conv = ServerConversation(
+            self.ranks,
+            self.secret,
+            self.directory,
+            self.metrics,
+            endpoints=self.rank_endpoints,
+            register=self.register,
+        )
         frames = FrameBuffer(self.max_frame)
         while True:
             msgs: list[Message | AkvError] = []
@@ -268,3 +320,31 @@ async def client_handshake(
             except FrameError as exc:
                 raise HandshakeError(f"bad reply from {endpoint}: {exc}") from None
     raise HandshakeError(f"cannot reach {endpoint} after {retries + 1} attempts: {last}")
+
+
+async def register_rank(
+    bootstrap: Endpoint,
+    msg: Register,
+    *,
+    secret: bytes | None,
+    timeout: float = 5.0,  # noqa: ASYNC109 (one deadline for connect, send and reply)
+) -> str:
+    """Register a rank's endpoint with its engine's bootstrap; returns the engine id.
+
+    Raises :class:`HandshakeError` if the bootstrap cannot be reached or refuses.
+    """
+    if secret is not None:
+        msg = msgspec.structs.replace(msg, mac=register_mac(secret, msg))
+    try:
+        with anyio.fail_after(timeout):
+            async with await anyio.connect_tcp(bootstrap.host, bootstrap.port) as stream:
+                client = _Client(stream)
+                await client.send(msg)
+                reply = await client.receive()
+    except (OSError, TimeoutError, anyio.BrokenResourceError) as exc:
+        raise HandshakeError(f"cannot register with the bootstrap at {bootstrap}: {exc}") from None
+    if isinstance(reply, Error):
+        raise_for_error(reply)
+    if not isinstance(reply, Registered):
+        raise HandshakeError(f"the bootstrap at {bootstrap} answered {type(reply).__name__}, not Registered")
+    return reply.engine_id

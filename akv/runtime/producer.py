@@ -7,6 +7,7 @@ module feeds it NIXL notices and the clock and delivers its releases.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING
@@ -14,17 +15,17 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 import numpy.typing as npt
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from akv.backends import mem_type
-from akv.errors import AkvError, ClosedError, ConfigError, ProtocolError
+from akv.errors import AkvError, ClosedError, ConfigError, HandshakeError, ProtocolError
 from akv.exposure import ExposureTable
 from akv.geometry.spec import KVSpec
 from akv.ledger import Release, ReleaseLedger, check_lease
-from akv.protocol.address import Endpoint
-from akv.protocol.messages import Notice, RankInfo, decode_notice
-from akv.runtime.control import ControlServer
+from akv.protocol.address import Endpoint, check_engine_id, parse_endpoint
+from akv.protocol.messages import Notice, RankInfo, Register, decode_notice
+from akv.runtime.control import ControlServer, register_rank
 from akv.runtime.rank import RankBase
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ __all__ = ["Producer", "Release"]
 
 #: Releases kept for a :meth:`Producer.releases` reader that is not keeping up.
 RELEASE_BUFFER = 4096
+#: Seconds between a rank's registrations with its engine's bootstrap.
+REGISTER_EVERY_S = 2.0
 
 
 class Producer(RankBase):
@@ -52,7 +55,8 @@ class Producer(RankBase):
         spec: the cache description (equal on every rank of the engine).
         tp_rank: this rank's index in ``[0, tp_size)``.
         tp_size: the engine's tensor-parallel size.
-        engine_id: the engine's name, the same on every rank.
+        engine_id: the engine's name, the same on every rank. Default: rank 0 takes a name
+            unique to its process; a rank with ``bootstrap`` takes rank 0's.
         on_release: called once per exposure when its blocks are free again.
         lease: seconds an exposure stays pinned without being read (heartbeats extend it).
         server: share one :class:`ControlServer` among ranks of one process (default: own one).
@@ -60,6 +64,14 @@ class Producer(RankBase):
         port: its port (0 picks a free one).
         secret: shared secret for the control plane (default ``$AKV_SECRET``).
         allow_insecure: serve a non-loopback address without a secret (trusted networks only).
+        advertise_host: the address decode ranks reach this rank's server at (default: ``host``;
+            needed when binding ``0.0.0.0``).
+        bootstrap: rank 0's control endpoint, for ranks > 0: they register their endpoint
+            there (and again every few seconds, so a restarted rank 0 learns them), so the
+            whole engine is reachable through rank 0's address.
+        etcd: etcd endpoint(s) (``"HOST:PORT"``, comma-separated or a list): register this
+            rank under ``engine_id`` with a lease kept alive (needs an explicit ``engine_id``).
+        etcd_ttl: seconds a dead or hung rank's etcd key outlives it.
         max_exposed: sizes the exposure table (requests exposed at once, see :mod:`akv.exposure`).
         backend: a transport backend to use instead of creating a NIXL agent.
         progress_thread: let UCX run its own progress thread.
@@ -76,7 +88,7 @@ class Producer(RankBase):
         *,
         tp_rank: int,
         tp_size: int,
-        engine_id: str = "prefill",
+        engine_id: str | None = None,
         on_release: Callable[[Release], None] | None = None,
         lease: float = 120.0,
         server: ControlServer | None = None,
@@ -84,18 +96,25 @@ class Producer(RankBase):
         port: int = 0,
         secret: str | bytes | None = None,
         allow_insecure: bool = False,
+        advertise_host: str | None = None,
+        bootstrap: str | Endpoint | None = None,
+        etcd: str | Sequence[str] | None = None,
+        etcd_ttl: float = 5.0,
         max_exposed: int = 16384,
         backend: Backend | None = None,
         progress_thread: bool = False,
         poll_max_s: float = 0.002,
         spin_s: float = 0.002,
     ) -> None:
+        if etcd is not None and engine_id is None:
+            raise ConfigError("registering in etcd needs an explicit engine_id, the same on every rank")
+        self._named = engine_id is not None
         super().__init__(
             kv_caches,
             spec,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            engine_id=engine_id,
+            engine_id=check_engine_id(engine_id) if engine_id else f"prefill-{uuid.uuid4().hex[:8]}",
             backend=backend,
             progress_thread=progress_thread,
             spin_s=spin_s,
@@ -107,12 +126,23 @@ class Producer(RankBase):
         self.on_release = on_release
         self._own_server = server is None
         self.server = server or ControlServer(
-            host=host, port=port, secret=secret, allow_insecure=allow_insecure, metrics=self.metrics
+            host=host,
+            port=port,
+            secret=secret,
+            allow_insecure=allow_insecure,
+            metrics=self.metrics,
+            advertise_host=advertise_host,
         )
+        self.bootstrap = parse_endpoint(bootstrap) if bootstrap is not None else None
+        if self.bootstrap is not None and tp_rank == 0:
+            raise ConfigError("rank 0 is the engine's bootstrap: give --bootstrap to ranks > 0 only")
+        self.etcd = etcd
+        self.etcd_ttl = etcd_ttl
         self._expected: dict[int, int] = {}
         self._notifiers: dict[tuple[int, int], bool] = {}
         self._peers: dict[str, int] = {}
         self._warned: set[tuple[str, int]] = set()
+        self._senders: dict[str, tuple[str, int, int]] = {}  # decode agent -> (engine, rank, tp)
         self.ledger = ReleaseLedger(
             spec.num_blocks,
             lease_s=self.lease_s,
@@ -134,6 +164,53 @@ class Producer(RankBase):
         if self._own_server:
             await tg.start(self.server.serve)
         tg.start_soon(self._poll)
+        if self.bootstrap is not None:
+            await tg.start(self._keep_registered, self.bootstrap)
+        if self.etcd is not None:
+            from akv.runtime.discovery import EtcdRegistry, RankRecord
+
+            registry = EtcdRegistry(self.etcd, ttl=self.etcd_ttl)
+            stack.push_async_callback(registry.aclose)
+            record = RankRecord.create(
+                self.engine_id, self.tp_rank, self.tp_size, self.endpoint, compat=self.spec.compat_hash()
+            )
+            await tg.start(registry.keep_registered, record)
+
+    async def _keep_registered(self, bootstrap: Endpoint, *, task_status: TaskStatus[None]) -> None:
+        """Register with the bootstrap now and every REGISTER_EVERY_S (a restarted rank 0 forgets).
+
+        A refusal at start (another engine, TP size or cache) is a ConfigError; an unreachable
+        bootstrap is retried in the background.
+        """
+        msg = Register(
+            engine_id=self.engine_id if self._named else "",
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            endpoint=str(self.endpoint),
+            compat=self.spec.compat_hash(),
+        )
+        started, warned, delay = False, False, 0.1
+        while True:
+            try:
+                engine = await register_rank(bootstrap, msg, secret=self.server.secret)
+            except HandshakeError as exc:
+                refused = "refused" in str(exc)
+                if refused and not started:
+                    raise ConfigError(f"rank {self.tp_rank}: the bootstrap at {bootstrap} {exc}") from None
+                if not warned:
+                    self._log.warning("cannot register with the bootstrap; retrying", error=str(exc))
+                warned = True
+            else:
+                if not self._named:
+                    self.engine_id = engine
+                if warned:
+                    self._log.info("registered with the bootstrap again", bootstrap=str(bootstrap))
+                warned, delay = False, REGISTER_EVERY_S
+            if not started:
+                started = True
+                task_status.started()
+            await anyio.sleep(delay)
+            delay = REGISTER_EVERY_S if delay >= REGISTER_EVERY_S else min(delay * 2, REGISTER_EVERY_S)
 
     def _teardown(self) -> None:
         self._deliver(self.ledger.close())
@@ -167,9 +244,11 @@ class Producer(RankBase):
             )
         return self._info
 
-    def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int) -> None:
-        """Remember a decode engine's TP size (it fixes how many notifications to expect)."""
+    def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None:
+        """Remember a decode rank: its engine's TP size (it fixes how many notifications to
+        expect) and its NIXL agent (its notices are accepted only from that agent)."""
         self._peers[engine_id] = decode_tp
+        self._senders[agent_name] = (engine_id, decode_rank, decode_tp)
         self._log.info("decode rank connected", peer=engine_id, decode_rank=decode_rank, decode_tp=decode_tp)
 
     def expected_notifications(self, decode_tp: int) -> int:
@@ -288,13 +367,20 @@ class Producer(RankBase):
 
     def _drain(self) -> bool:
         notifs = self.backend.notifications()
-        for messages in notifs.values():
+        for agent, messages in notifs.items():
+            sender = self._senders.get(agent)
             for raw in messages:
                 self.metrics.inc("notifications_received")
+                if sender is None:  # an agent that never handshook with this rank
+                    self.metrics.inc("notifications_unbound")
+                    continue
                 try:
                     notice = decode_notice(raw)
                 except ProtocolError:
                     self.metrics.inc("notifications_invalid")
+                    continue
+                if (notice.engine_id, notice.decode_rank, notice.decode_tp) != sender:
+                    self.metrics.inc("notifications_invalid")  # claims to be another decode rank
                     continue
                 self._on_notice(notice)
         return bool(notifs)

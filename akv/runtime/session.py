@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -23,14 +24,24 @@ from akv.errors import (
     AkvError,
     ClosedError,
     ConfigError,
+    HandshakeError,
     IncompatiblePeerError,
+    MissingRanksError,
     PeerLostError,
     TransferError,
 )
+from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory, ReadOp, RequestReads, TransferPlan, request_key
-from akv.protocol.address import Endpoint
+from akv.protocol.address import (
+    BootstrapAddress,
+    Endpoint,
+    EngineAddress,
+    EtcdAddress,
+    RankListAddress,
+    parse_endpoint,
+)
 from akv.protocol.handshake import HandshakeResult
-from akv.protocol.messages import Challenge, Hello, Notice, encode_notice
+from akv.protocol.messages import Challenge, Hello, Notice, RankInfo, encode_notice
 from akv.tracker import Stage, TransferState
 
 if TYPE_CHECKING:
@@ -156,29 +167,55 @@ class Transfer:
         return f"<Transfer {self.request_id!r} {state}>"
 
 
-class TransferSession:
-    """A decode rank's link to one prefill engine: metadata loaded, descriptor lists prepared.
+@dataclass(eq=False)
+class RankLink:
+    """What a session holds for one prefill rank: its agent, memory and exposure table."""
 
-    Created by :meth:`Consumer.connect`. After a peer is lost the session re-handshakes on the
-    next :meth:`pull` (once, however many pulls wait for it), never reusing the old agents'
-    metadata.
+    rank: int
+    info: RankInfo
+    agent: str
+    check: tuple[Any, int] | None = None  # (prepared exposure-table list, buckets)
+    broken: bool = False
+    loading: anyio.Event | None = None
+
+
+class TransferSession:
+    """A decode rank's link to one prefill engine: every prefill rank it needs, handshaken
+    concurrently (each rank serves its own control endpoint), metadata loaded, descriptor
+    lists prepared.
+
+    Created by :meth:`Consumer.connect` for an engine address (see
+    :func:`akv.protocol.address.parse_engine_address`). Losing one rank fails only the pulls
+    that need it; the next pull that needs it re-handshakes with that rank alone (found
+    again through the address: the bootstrap, or etcd), never reusing its old metadata.
     """
 
-    def __init__(self, consumer: Consumer, endpoint: Endpoint) -> None:
+    def __init__(self, consumer: Consumer, address: EngineAddress) -> None:
         self.consumer = consumer
-        self.endpoint = endpoint
-        self.log = consumer.log.bind(endpoint=str(endpoint))
+        self.address = address
+        self.endpoint = str(address)
+        self.log = consumer.log.bind(engine_address=self.endpoint)
         self.remote_engine_id = ""
+        self.remote_spec: KVSpec | None = None
         self.prefill_tp = 0
         self.lease_s = 0.0
         self.plan: TransferPlan | None = None
-        self.agents: dict[int, str] = {}
+        self.links: dict[int, RankLink] = {}
         self.dlists: dict[Any, Any] = {}
-        self.check_dlists: dict[int, tuple[Any, int]] = {}  # rank -> (prepared table, buckets)
-        self.broken = False
         self.closed = False
         self.transfers: set[Transfer] = set()
         self._loading: anyio.Event | None = None
+        self._registry: Any = None  # an EtcdRegistry for etcd:// addresses
+
+    @property
+    def agents(self) -> dict[int, str]:
+        """The NIXL agent name of each linked prefill rank."""
+        return {r: link.agent for r, link in self.links.items()}
+
+    @property
+    def broken(self) -> bool:
+        """True if some linked prefill rank was lost (the next pull needing it re-handshakes)."""
+        return any(link.broken for link in self.links.values())
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -191,123 +228,278 @@ class TransferSession:
             spec=c.spec,
             compat=c.spec.compat_hash(),
             nonce=secrets.token_bytes(16),
+            agent_name=c.backend.name,
         )
 
-    def _choose(self, ch: Challenge) -> list[int]:
+    def needed(self, prefill_tp: int) -> set[int]:
+        """The prefill ranks this decode rank reads from or notifies."""
         c = self.consumer
-        return list(c.spec.notify_ranks(c.tp_rank, c.tp_size, ch.tp_size))
+        return set(c.spec.notify_ranks(c.tp_rank, c.tp_size, prefill_tp))
 
     async def handshake(self) -> None:
-        """Handshake with the engine and load what it returned; shared by concurrent callers."""
+        """Handshake with every prefill rank this rank needs; shared by concurrent callers."""
         while self._loading is not None:
             await self._loading.wait()
-            if self.plan is not None and not self.broken:
+            if self.plan is not None:
                 return
         self._loading = done = anyio.Event()
-        try:
-            await self._handshake()
-        finally:
-            self._loading = None
-            done.set()
-
-    async def _handshake(self) -> None:
-        from akv.runtime.control import client_handshake
-
         c = self.consumer
         try:
-            result = await client_handshake(
-                self.endpoint,
-                self._hello(),
-                secret=c.secret,
-                choose_ranks=self._choose,
-                connect_timeout=c.connect_timeout,
-                handshake_timeout=c.handshake_timeout,
-                retries=c.retries,
-            )
-            await self._load(result)
+            challenge, infos = await self._fetch(None)
+            await self._install(challenge, infos)
         except BaseException:
             c.metrics.inc("handshakes_failed")
             raise
+        finally:
+            self._loading = None
+            done.set()
         c.metrics.inc("handshakes")
-        self.log.info("handshake done", remote=self.remote_engine_id, prefill_tp=self.prefill_tp)
+        self.log.info(
+            "handshake done", remote=self.remote_engine_id, prefill_tp=self.prefill_tp, ranks=sorted(infos)
+        )
 
-    async def _load(self, result: HandshakeResult) -> None:
+    async def _handshake_with(
+        self, endpoint: Endpoint, choose: Callable[[Challenge], Sequence[int]]
+    ) -> HandshakeResult:
+        from akv.runtime.control import client_handshake
+
         c = self.consumer
-        ch = result.challenge
-        remote = {
-            r: RankMemory(r, ch.tp_size, tuple(i.region_addrs), i.device_id) for r, i in result.ranks.items()
-        }
-        plan = TransferPlan(local_spec=c.spec, local=c.memory, remote_spec=ch.spec, remote=remote)
+        return await client_handshake(
+            endpoint,
+            self._hello(),
+            secret=c.secret,
+            choose_ranks=choose,
+            connect_timeout=c.connect_timeout,
+            handshake_timeout=c.handshake_timeout,
+            retries=c.retries,
+        )
+
+    async def _fetch(self, ranks: set[int] | None) -> tuple[Challenge, dict[int, RankInfo]]:
+        """Find the endpoints of ``ranks`` (None: every rank needed) and handshake with them."""
+        addr = self.address
+        infos: dict[int, RankInfo] = {}
+        challenges: list[Challenge] = []
+        if isinstance(addr, BootstrapAddress):
+            tp, endpoints, first = await self._from_bootstrap(addr.endpoint, ranks)
+            challenges.append(first.challenge)
+            infos.update(first.ranks)
+        elif isinstance(addr, RankListAddress):
+            tp = len(addr.endpoints)
+            endpoints = {r: addr.endpoints[r] for r in (ranks if ranks is not None else self.needed(tp))}
+        else:
+            tp, endpoints = await self._from_etcd(addr, ranks)
+        by_endpoint: dict[Endpoint, list[int]] = {}
+        for rank, ep in endpoints.items():
+            if rank not in infos:
+                by_endpoint.setdefault(ep, []).append(rank)
+        results: list[HandshakeResult] = []
+
+        async def one(ep: Endpoint, wanted: list[int]) -> None:
+            results.append(await self._handshake_with(ep, lambda ch: sorted(wanted)))
+
+        async with anyio.create_task_group() as tg:
+            for ep, wanted in by_endpoint.items():
+                tg.start_soon(one, ep, wanted)
+        for res in results:
+            challenges.append(res.challenge)
+            infos.update(res.ranks)
+        for ch in challenges:
+            if ch.tp_size != tp or ch.engine_id != challenges[0].engine_id:
+                raise HandshakeError(
+                    f"the ranks at {addr} are not one engine: {ch.engine_id!r} of TP size {ch.tp_size} "
+                    f"answered where {challenges[0].engine_id!r} of TP size {tp} was expected"
+                )
+        return challenges[0], infos
+
+    async def _from_bootstrap(
+        self, bootstrap: Endpoint, ranks: set[int] | None
+    ) -> tuple[int, dict[int, Endpoint], HandshakeResult]:
+        """Ask rank 0 for the engine's rank endpoints (waiting for ranks not registered yet);
+        metadata of the needed ranks it serves itself comes in the same conversation."""
+        deadline = time.monotonic() + self.consumer.handshake_timeout
+        delay = 0.05
+        while True:
+            need: set[int] = set()
+
+            def choose(ch: Challenge, need: set[int] = need) -> list[int]:
+                need.update(ranks if ranks is not None else self.needed(ch.tp_size))
+                return sorted(r for r in need if r in ch.ranks)
+
+            first = await self._handshake_with(bootstrap, choose)
+            ch = first.challenge
+            listed = ch.endpoints or [str(bootstrap)] * ch.tp_size
+            missing = sorted(r for r in need if r not in first.ranks and not listed[r])
+            if not missing:
+                endpoints = {r: parse_endpoint(listed[r]) for r in need if r not in first.ranks}
+                return ch.tp_size, endpoints, first
+            if time.monotonic() + delay > deadline:
+                raise MissingRanksError(
+                    f"prefill ranks {missing} of engine {ch.engine_id!r} have not registered with its "
+                    f"bootstrap {bootstrap} within {self.consumer.handshake_timeout}s: start them with "
+                    f"--bootstrap {bootstrap} (or Producer(bootstrap=...))",
+                    engine_id=ch.engine_id,
+                    missing=tuple(missing),
+                )
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _from_etcd(self, addr: EtcdAddress, ranks: set[int] | None) -> tuple[int, dict[int, Endpoint]]:
+        from akv.runtime.discovery import EtcdRegistry
+
+        if self._registry is None:
+            self._registry = EtcdRegistry(addr.etcd)
+        timeout = self.consumer.handshake_timeout
+        try:  # resolution is rare: hold no HTTP connection between resolutions
+            records = await self._registry.resolve(addr.engine_id, need=ranks, timeout=timeout)
+            tp = next(iter(records.values())).tp_size
+            need = ranks if ranks is not None else self.needed(tp)
+            if not need <= records.keys():
+                records = await self._registry.resolve(
+                    addr.engine_id, need=need, tp_size_hint=tp, timeout=timeout
+                )
+        finally:
+            await self._registry.aclose()
+        return tp, {r: records[r].endpoint for r in need}
+
+    async def _install(self, ch: Challenge, infos: dict[int, RankInfo]) -> None:
+        """Load the agents of ``infos`` (replacing older links of those ranks), rebuild the plan,
+        prepare what changed. NIXL calls run in a worker thread."""
+        c = self.consumer
         if c.verify_exposure:
-            missing = sorted(r for r, i in result.ranks.items() if not i.exposure_buckets)
+            missing = sorted(r for r, i in infos.items() if not i.exposure_buckets)
             if missing:
                 raise IncompatiblePeerError(
                     f"prefill ranks {missing} publish no exposure table: run the same akv release on both "
                     "engines (or pass verify_exposure=False to trust it blindly)",
                     ("exposure",),
                 )
+        for r in infos:  # a rank linked before (lost, or restarted): forget its old agent first
+            link = self.links.get(r)
+            if link is not None:
+                self._fail_rank(r, PeerLostError(f"the link to prefill rank {r} was reset"))
+                self._drop(link)
+                link.broken = True
+        fresh = await anyio.to_thread.run_sync(self._link_blocking, infos)
+        before = {r: self.links[r] for r in fresh if r in self.links}
+        self.links.update(fresh)
         try:
-            await anyio.to_thread.run_sync(self._load_blocking, result, plan)
+            memory = {
+                r: RankMemory(r, ch.tp_size, tuple(link.info.region_addrs), link.info.device_id)
+                for r, link in self.links.items()
+            }
+            plan = TransferPlan(local_spec=c.spec, local=c.memory, remote_spec=ch.spec, remote=memory)
+            await anyio.to_thread.run_sync(self._prep_blocking, plan)
         except BaseException:
-            self._unload()
+            for r, link in fresh.items():
+                self._drop(link)
+                if r in before:
+                    self.links[r] = before[r]  # still broken: the next pull tries again
+                else:
+                    del self.links[r]
             raise
         self.remote_engine_id = ch.engine_id
+        self.remote_spec = ch.spec
         self.prefill_tp = ch.tp_size
         self.lease_s = ch.lease_s
         self.plan = plan
-        self.broken = False
 
-    def _load_blocking(self, result: HandshakeResult, plan: TransferPlan) -> None:
-        """Load agents, connect, prepare lists (NIXL calls that may block: run in a thread)."""
-        c = self.consumer
-        backend = c.backend
+    def _link_blocking(self, infos: dict[int, RankInfo]) -> dict[int, RankLink]:
+        backend = self.consumer.backend
         bucket_bytes = exposure.SLOTS * exposure.SLOT_WORDS * 8
-        for rank, info in result.ranks.items():
-            self.agents[rank] = backend.add_remote(info.agent_metadata)
-            backend.connect(self.agents[rank])  # so the first pull does not pay for wire-up
-            if c.verify_exposure:
-                table = np.array(
-                    [[info.exposure_addr, bucket_bytes, 0, bucket_bytes, info.exposure_buckets]],
-                    dtype=np.int64,
-                )
-                self.check_dlists[rank] = (
-                    backend.prep(self.agents[rank], table, "DRAM"),
-                    info.exposure_buckets,
-                )
+        out: dict[int, RankLink] = {}
+        try:
+            for rank, info in infos.items():
+                link = out[rank] = RankLink(rank, info, backend.add_remote(info.agent_metadata))
+                backend.connect(link.agent)  # so the first pull does not pay for wire-up
+                if self.consumer.verify_exposure:
+                    table = np.array(
+                        [[info.exposure_addr, bucket_bytes, 0, bucket_bytes, info.exposure_buckets]],
+                        dtype=np.int64,
+                    )
+                    link.check = (backend.prep(link.agent, table, "DRAM"), info.exposure_buckets)
+        except BaseException:
+            for link in out.values():
+                self._drop(link)
+            raise
+        return out
+
+    def _prep_blocking(self, plan: TransferPlan) -> None:
+        """Prepare the plan's tables not prepared yet (a relinked rank's remote ones)."""
+        c = self.consumer
         for key, table in plan.tables.items():
+            if key in self.dlists:
+                continue
             if key[0] == "local":
                 self.dlists[key] = c.local_dlist(key, table)
             else:
-                info = result.ranks[int(key[1])]  # type: ignore[call-overload]
-                self.dlists[key] = backend.prep(self.agents[info.tp_rank], table, info.mem_type)
+                link = self.links[int(key[1])]  # type: ignore[call-overload]
+                self.dlists[key] = c.backend.prep(link.agent, table, link.info.mem_type)
+
+    def _drop(self, link: RankLink) -> None:
+        """Release a rank's remote lists and forget its agent."""
+        backend = self.consumer.backend_or_none
+        for key in [k for k in self.dlists if k[0] == "remote" and k[1] == link.rank]:
+            handle = self.dlists.pop(key)
+            if backend is not None:
+                backend.release_dlist(handle)
+        if backend is not None:
+            if link.check is not None:
+                backend.release_dlist(link.check[0])
+            backend.remove_remote(link.agent)
+
+    def _fail_rank(self, rank: int, error: AkvError) -> None:
+        """Fail the pulls in flight that wait on reads from ``rank``."""
+        for transfer in list(self.transfers):
+            if rank in transfer.state.pending.values():
+                self.consumer.fail(transfer, error)
 
     def _unload(self) -> None:
-        backend = self.consumer.backend_or_none
-        if backend is not None:
-            for key, handle in self.dlists.items():
-                if key[0] == "remote":
-                    backend.release_dlist(handle)
-            for handle, _ in self.check_dlists.values():
-                backend.release_dlist(handle)
-            for name in self.agents.values():
-                backend.remove_remote(name)
+        for link in self.links.values():
+            self._drop(link)
+        self.links.clear()
         self.dlists.clear()
-        self.check_dlists.clear()
-        self.agents.clear()
         self.plan = None
+        self._registry = None
 
-    async def _rehandshake(self) -> None:
-        if self._loading is None:  # the first caller resets; later ones wait for its handshake
-            for transfer in list(self.transfers):
-                self.consumer.fail(transfer, PeerLostError(f"session to {self.endpoint} was reset"))
-            self._unload()
-        await self.handshake()
+    async def relink(self, ranks: Sequence[int]) -> None:
+        """Re-handshake with lost prefill ranks only (shared by concurrent callers)."""
+        waiting = [self.links[r].loading for r in ranks if r in self.links and self.links[r].loading]
+        todo = [
+            r for r in ranks if r in self.links and self.links[r].loading is None and self.links[r].broken
+        ]
+        if todo:
+            done = anyio.Event()
+            for r in todo:
+                self.links[r].loading = done
+            try:
+                challenge, infos = await self._fetch(set(todo))
+                await self._install(challenge, infos)
+                self.consumer.metrics.inc("handshakes")
+                self.log.info("prefill ranks re-linked", ranks=todo)
+            except BaseException:
+                self.consumer.metrics.inc("handshakes_failed")
+                for r in todo:
+                    if r in self.links:
+                        self.links[r].loading = None
+                raise
+            finally:
+                done.set()
+        for event in waiting:
+            if event is not None:
+                await event.wait()
+        lost = [r for r in ranks if r in self.links and self.links[r].broken]
+        if lost and not todo:
+            await self.relink(lost)  # the other caller's attempt failed: try ourselves
 
-    def mark_broken(self, error: AkvError) -> None:
-        """Note a failure: a lost peer makes the next pull re-handshake with fresh agents
-        (nothing clears that but a successful handshake). A timeout does not: the peer may
-        only be slow, and a handshake with a hung peer would just time out too."""
-        self.broken = self.broken or isinstance(error, PeerLostError)
+    def mark_broken(self, error: AkvError, rank: int | None = None) -> None:
+        """Note a failure: a lost peer makes the next pull needing it re-handshake with that rank
+        (nothing clears that but a successful handshake). A timeout does not: the peer may only
+        be slow, and a handshake with a hung peer would just time out too."""
+        if not isinstance(error, PeerLostError):
+            return
+        for r, link in self.links.items():
+            if rank is None or r == rank:
+                link.broken = True
 
     # -- pulling -------------------------------------------------------------------------
 
@@ -334,11 +526,17 @@ class TransferSession:
         c = self.consumer
         if self.closed or c.closed:
             raise ClosedError("the session is closed")
-        if self.broken or self.plan is None:
-            await self._rehandshake()
+        if self.plan is None:
+            await self.handshake()
         plan = self.plan
         if plan is None:  # pragma: no cover - a handshake sets it or raises
             raise ClosedError("the session is closed")
+        lost = [r for r in plan.notify if self.links[r].broken or self.links[r].loading]
+        if lost:
+            await self.relink(lost)
+            plan = self.plan
+            if plan is None or self.closed:
+                raise ClosedError("the session is closed")
         local, remote_all = plan.block_ids(request.local_block_ids, request.remote_block_ids, tail=False)
         remote = remote_all[remote_all.size - local.size :]
         reads = plan.reads(request_key(request.request_id))
@@ -377,7 +575,7 @@ class TransferSession:
                     self.dlists[op.local_table], lidx, self.dlists[op.remote_table], ridx, notice
                 )
             except TransferError as exc:
-                self.mark_broken(exc)
+                self.mark_broken(exc, op.remote_rank)
                 for posted in transfer.state.fail():
                     self.consumer.drop_handle(posted)
                 self.consumer.metrics.inc("transfers_failed")
@@ -389,7 +587,10 @@ class TransferSession:
         c = self.consumer
         h = exposure.request_hash(transfer.request_id)
         for rank in {op.remote_rank for op in transfer.reads.ops}:
-            dlist, buckets = self.check_dlists[rank]
+            check = self.links[rank].check
+            if check is None:  # pragma: no cover - linked with verify_exposure on
+                raise TransferError(f"prefill rank {rank} has no exposure table prepared")
+            dlist, buckets = check
             slot = c.checks.acquire()
             transfer.check_slots[rank] = slot
             handle = c.backend.read(
@@ -420,7 +621,7 @@ class TransferSession:
         """Send a notice to prefill ranks; a failure only logs (the rank releases by lease)."""
         for rank in ranks:
             try:
-                self.consumer.backend.notify(self.agents[rank], notice)
+                self.consumer.backend.notify(self.links[rank].agent, notice)
                 self.consumer.metrics.inc("notifications_sent")
             except (AkvError, KeyError) as exc:
                 self.log.warning(
