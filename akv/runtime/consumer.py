@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["Consumer", "PullRequest", "Transfer", "TransferResult", "TransferSession"]
 
 #: Seconds the poller keeps progressing the agent after standalone notices were sent.
-FLUSH_S = 0.05
+FLUSH_S = 0.5
 #: Seconds after a timed-out pull during which the idle poller still progresses the agent
 #: (every REAP_EVERY_S), so UCX frees the operations to a hung peer once it dies or resumes.
 REAP_S, REAP_EVERY_S = 120.0, 0.25

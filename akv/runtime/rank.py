@@ -16,7 +16,7 @@ from anyio.abc import TaskGroup
 
 from akv._log import get_logger
 from akv._poll import Backoff
-from akv.errors import ClosedError
+from akv.errors import AkvError, ClosedError
 from akv.geometry.spec import KVSpec
 from akv.metrics import Metrics
 
@@ -89,6 +89,16 @@ class RankBase:
     async def __aenter__(self) -> Any:
         if self._stack is not None or self.closed:
             raise ClosedError(f"a {type(self).__name__} can be entered once")
+        try:
+            await self._open()
+        except BaseExceptionGroup as group:
+            leaves = _leaves(group)
+            if len(leaves) == 1 and isinstance(leaves[0], AkvError):
+                raise leaves[0] from None  # a start-up error, as is (not wrapped by the task group)
+            raise
+        return self
+
+    async def _open(self) -> None:
         async with AsyncExitStack() as stack:  # unwinds whatever started if a step fails
             if self._backend is None:
                 from akv.backends.nixl import NixlBackend
@@ -106,7 +116,6 @@ class RankBase:
             self._tg = tg
             await self._enter(stack, tg)
             self._stack = stack.pop_all()
-        return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -133,6 +142,14 @@ class RankBase:
 
     def _teardown(self) -> None:
         """Release what the subclass holds (tasks are stopped, the agent still open)."""
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions in a (nested) group."""
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
 
 
 def _only(group: BaseExceptionGroup[BaseException], exc: BaseException) -> bool:

@@ -29,6 +29,8 @@ from akv.errors import (
     MissingRanksError,
     PeerLostError,
     TransferError,
+    TransferTimeout,
+    UnsafeReadError,
 )
 from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory, ReadOp, RequestReads, TransferPlan, request_key
@@ -492,10 +494,12 @@ class TransferSession:
             await self.relink(lost)  # the other caller's attempt failed: try ourselves
 
     def mark_broken(self, error: AkvError, rank: int | None = None) -> None:
-        """Note a failure: a lost peer makes the next pull needing it re-handshake with that rank
-        (nothing clears that but a successful handshake). A timeout does not: the peer may only
-        be slow, and a handshake with a hung peer would just time out too."""
-        if not isinstance(error, PeerLostError):
+        """Note a failed read: the next pull needing that rank re-handshakes with it (nothing
+        clears that but a successful handshake). A rank that went away does not always show
+        as PeerLostError (NIXL may just report the transfer in error), so any transfer error
+        counts, except a timeout (the peer may only be slow, and a handshake with a hung peer
+        would just time out too) and a failed exposure check (the link is fine)."""
+        if not isinstance(error, TransferError) or isinstance(error, (TransferTimeout, UnsafeReadError)):
             return
         for r, link in self.links.items():
             if rank is None or r == rank:
