@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from akv.protocol.address import Endpoint
     from akv.runtime.consumer import Consumer
     from akv.runtime.control import ControlServer
-    from akv.runtime.producer import Producer, Release
+    from akv.runtime.producer import EngineRelease, EngineReleases, Producer, Release
     from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
     from akv.sharding import expected_notifications, held_heads, plan_reads
 
@@ -64,6 +64,8 @@ _LAZY: dict[str, str] = {
     "Consumer": "akv.runtime.consumer",
     "ControlServer": "akv.runtime.control",
     "Endpoint": "akv.protocol.address",
+    "EngineRelease": "akv.runtime.producer",
+    "EngineReleases": "akv.runtime.producer",
     "KVSpec": "akv.geometry.spec",
     "Metrics": "akv.metrics",
     "MetricsSnapshot": "akv.metrics",
@@ -104,6 +106,8 @@ __all__ = [
     "Consumer",
     "ControlServer",
     "Endpoint",
+    "EngineRelease",
+    "EngineReleases",
     "FrameError",
     "HandshakeError",
     "IncompatiblePeerError",
