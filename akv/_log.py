@@ -2,7 +2,7 @@
 
 The library never configures logging. Until the application does, only warnings reach
 stderr (stdlib's last-resort handler). To render akv's events, attach a handler with
-``structlog.stdlib.ProcessorFormatter`` to the ``akv`` logger, as :mod:`akv.cli` does.
+``structlog.stdlib.ProcessorFormatter`` to the ``akv`` logger, as `akv.cli` does.
 """
 
 from __future__ import annotations
