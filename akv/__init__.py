@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from akv.runtime.consumer import Consumer
     from akv.runtime.control import ControlServer
     from akv.runtime.discovery import EtcdRegistry, RankRecord
-    from akv.runtime.producer import Producer, Release
+    from akv.runtime.producer import EngineRelease, EngineReleases, Producer, Release
     from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
     from akv.sharding import expected_notifications, held_heads, plan_reads
 
@@ -70,6 +70,8 @@ _LAZY: dict[str, str] = {
     "Endpoint": "akv.protocol.address",
     "EngineAddress": "akv.protocol.address",
     "EtcdRegistry": "akv.runtime.discovery",
+    "EngineRelease": "akv.runtime.producer",
+    "EngineReleases": "akv.runtime.producer",
     "KVSpec": "akv.geometry.spec",
     "Metrics": "akv.metrics",
     "MetricsSnapshot": "akv.metrics",
@@ -114,6 +116,8 @@ __all__ = [
     "DiscoveryError",
     "Endpoint",
     "EngineAddress",
+    "EngineRelease",
+    "EngineReleases",
     "EtcdRegistry",
     "EtcdUnavailableError",
     "FrameError",

@@ -1,8 +1,9 @@
 """akv's loggers: structlog event dicts carried by the stdlib logger named ``akv.*``.
 
-The library never configures logging. Until the application does, only warnings reach
+The library never configures logging (it only moves NIXL's own stdout handler to stderr:
+see `akv.backends.nixl`). Until the application does, only warnings reach
 stderr (stdlib's last-resort handler). To render akv's events, attach a handler with
-``structlog.stdlib.ProcessorFormatter`` to the ``akv`` logger, as :mod:`akv.cli` does.
+``structlog.stdlib.ProcessorFormatter`` to the ``akv`` logger, as `akv.cli` does.
 """
 
 from __future__ import annotations

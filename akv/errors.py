@@ -1,4 +1,4 @@
-"""The akv exception hierarchy: every error akv raises derives from :class:`AkvError`."""
+"""The akv exception hierarchy: every error akv raises derives from [`AkvError`][akv.errors.AkvError]."""
 
 from __future__ import annotations
 

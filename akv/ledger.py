@@ -32,9 +32,13 @@ ReleaseReason = Literal["read", "expired", "closed"]
 class Release:
     """A request's blocks are free again on one prefill rank. Reported exactly once per exposure.
 
-    ``reason`` is ``"read"`` (every expected decode rank notified), ``"expired"`` (the lease
-    ran out first) or ``"closed"`` (the producer shut down first). ``notified`` counts the
-    decode ranks that notified; ``expected`` is how many were expected (None if none did).
+    Attributes:
+        request_id: the request.
+        block_ids: its blocks on this rank, as exposed.
+        reason: ``"read"`` (every expected decode rank notified), ``"expired"`` (the lease ran
+            out first) or ``"closed"`` (the producer shut down first).
+        notified: the decode ranks that notified.
+        expected: how many were expected (None if none notified).
     """
 
     request_id: str

@@ -38,7 +38,15 @@ COUNTERS: tuple[str, ...] = (
 
 
 class TransferStats(msgspec.Struct, frozen=True):
-    """Aggregates over completed transfers (durations over the last ``window``)."""
+    """Aggregates over completed transfers.
+
+    Attributes:
+        count: transfers completed.
+        bytes: data bytes they moved.
+        descriptors: descriptors they submitted.
+        seconds_p50: median duration over the last ``window`` transfers (see [`Metrics`][akv.Metrics]).
+        seconds_p99: 99th percentile of the same.
+    """
 
     count: int
     bytes: int
@@ -48,7 +56,12 @@ class TransferStats(msgspec.Struct, frozen=True):
 
 
 class MetricsSnapshot(msgspec.Struct, frozen=True):
-    """A point-in-time copy of a component's metrics."""
+    """A point-in-time copy of a component's metrics.
+
+    Attributes:
+        counters: every counter by name (``COUNTERS`` lists akv's own).
+        transfers: aggregates over completed transfers.
+    """
 
     counters: dict[str, int]
     transfers: TransferStats
@@ -58,7 +71,14 @@ Listener = Callable[[str, float], None]
 
 
 class Metrics:
-    """Mutable metrics of one component. Cheap to update; :meth:`snapshot` copies."""
+    """Mutable metrics of one component (``Producer.metrics``, ``Consumer.metrics``).
+
+    Cheap to update; [`snapshot`][akv.Metrics.snapshot] copies. ``listeners`` are called with
+    ``(name, value)`` on every update (the Prometheus exporter is one).
+
+    Args:
+        window: completed transfers kept for the duration percentiles.
+    """
 
     def __init__(self, window: int = 4096) -> None:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)

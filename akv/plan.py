@@ -103,7 +103,7 @@ def expand_table(table: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
 
 
 def check_block_ids(ids: Sequence[int] | npt.ArrayLike, num_blocks: int, what: str) -> IndexArray:
-    """Validate one list of block ids; returns them as np.int32 or raises :class:`BlockIdError`."""
+    """Validate one list of block ids; returns them as np.int32 or raises [`BlockIdError`][akv.errors.BlockIdError]."""
     try:
         arr = np.asarray(ids)
     except (TypeError, ValueError) as exc:
@@ -149,8 +149,8 @@ class RequestReads:
 class TransferPlan:
     """Everything a decode rank needs to read from one prefill engine, built at handshake.
 
-    ``tables`` maps table keys to strided tables to prepare once; :meth:`reads` picks the
-    reads for a request key and :meth:`indices` turns block ids into np.int32 indices.
+    ``tables`` maps table keys to strided tables to prepare once; `reads` picks the
+    reads for a request key and `indices` turns block ids into np.int32 indices.
     """
 
     def __init__(
@@ -235,7 +235,7 @@ class TransferPlan:
         )
 
     def reads(self, key: int) -> RequestReads:
-        """The reads for a request key (see :func:`request_key`)."""
+        """The reads for a request key (see `request_key`)."""
         return self.variants[key % len(self.variants)]
 
     def block_ids(
@@ -248,7 +248,7 @@ class TransferPlan:
         """Validate a request's block ids; on a partial prefix hit keep the remote tail
         (``tail=False``: return every remote id).
 
-        Raises :class:`BlockIdError` for bad ids or more local than remote blocks.
+        Raises [`BlockIdError`][akv.errors.BlockIdError] for bad ids or more local than remote blocks.
         """
         local = check_block_ids(local_ids, self.local_spec.num_blocks, "local_block_ids")
         remote = check_block_ids(remote_ids, self.remote_spec.num_blocks, "remote_block_ids")

@@ -1,9 +1,9 @@
 """Export akv metrics to Prometheus (optional: ``pip install 'akv[prometheus]'``).
 
-::
-
-    from akv.prometheus import PrometheusExporter
-    PrometheusExporter(consumer.metrics, engine="decode-0")   # registers on the default registry
+```python
+from akv.prometheus import PrometheusExporter
+PrometheusExporter(consumer.metrics, engine="decode-0")   # registers on the default registry
+```
 """
 
 from __future__ import annotations
@@ -25,11 +25,21 @@ _HISTOGRAMS = (
 
 
 class PrometheusExporter:
-    """Mirrors one component's :class:`Metrics` into Prometheus collectors.
+    """Mirrors one component's [`Metrics`][akv.Metrics] into Prometheus collectors.
 
     Transfer duration, bytes and descriptor counts become histograms; every akv counter
     (failures, expiries, notifications, ...) becomes ``akv_<name>_total``. Collectors are
-    shared per registry, labelled by ``engine``.
+    shared per registry, labelled by ``engine``. Needs ``pip install 'akv[prometheus]'``.
+
+    ```python
+    from akv.prometheus import PrometheusExporter
+    PrometheusExporter(consumer.metrics, engine="decode-0")   # registers on the default registry
+    ```
+
+    Args:
+        metrics: the component's metrics (``producer.metrics``, ``consumer.metrics``).
+        engine: the value of the ``engine`` label.
+        registry: a ``prometheus_client.CollectorRegistry`` (default: the global ``REGISTRY``).
     """
 
     _collectors: dict[int, dict[str, Any]] = {}

@@ -58,7 +58,7 @@ class ReadPlan:
 
 
 def check_tp(rank: int, tp_size: int) -> None:
-    """Raise :class:`ConfigError` unless ``0 <= rank < tp_size``."""
+    """Raise [`ConfigError`][akv.errors.ConfigError] unless ``0 <= rank < tp_size``."""
     if tp_size < 1:
         raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
     if not 0 <= rank < tp_size:
@@ -66,7 +66,7 @@ def check_tp(rank: int, tp_size: int) -> None:
 
 
 def check_heads(tp_size: int, kv_heads: int) -> None:
-    """Raise :class:`ConfigError` unless the heads split evenly or replicate evenly."""
+    """Raise [`ConfigError`][akv.errors.ConfigError] unless the heads split evenly or replicate evenly."""
     if tp_size < 1:
         raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
     if kv_heads < 1:
@@ -79,7 +79,8 @@ def check_heads(tp_size: int, kv_heads: int) -> None:
 
 
 def held_heads(rank: int, tp_size: int, kv_heads: int) -> range:
-    """The global KV heads that ``rank`` of a TP group of ``tp_size`` holds."""
+    """The global KV heads that ``rank`` of a TP group of ``tp_size`` holds, for a model of
+    ``kv_heads`` KV heads (replicated over several ranks when ``kv_heads < tp_size``)."""
     check_heads(tp_size, kv_heads)
     check_tp(rank, tp_size)
     if kv_heads >= tp_size:
@@ -151,7 +152,20 @@ def plan_reads(
     mla: bool = False,
     request_key: int = 0,
 ) -> ReadPlan:
-    """The reads and notifications of ``decode_rank`` for a request with ``request_key``."""
+    """The reads and notifications of one decode rank for one request.
+
+    Args:
+        decode_rank: the decode rank, in ``[0, decode_tp)``.
+        decode_tp: the decode engine's TP size.
+        prefill_tp: the prefill engine's TP size.
+        kv_heads: the model's total KV heads (ignored with ``mla``).
+        mla: an MLA latent cache (replicated): one prefill rank is read, in turn.
+        request_key: picks among replicas, so that requests spread over them.
+
+    Returns:
+        a ``ReadPlan``: ``reads`` (``HeadRead``s: ``remote_rank``, and half-open ``local_heads``
+        and ``remote_heads`` ranges on each side's own head axis) and ``notify`` (prefill ranks).
+    """
     notify = notify_ranks(
         decode_rank=decode_rank,
         decode_tp=decode_tp,
@@ -187,7 +201,8 @@ def plan_reads(
 def expected_notifications(
     *, prefill_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int, mla: bool = False
 ) -> int:
-    """How many decode ranks notify ``prefill_rank`` for each request."""
+    """How many decode ranks of a ``decode_tp`` engine notify ``prefill_rank`` of a
+    ``prefill_tp`` engine for each request, for a model of ``kv_heads`` KV heads (or ``mla``)."""
     check_tp(prefill_rank, prefill_tp)
     check_tp(0, decode_tp)
     if mla:

@@ -4,7 +4,7 @@ verifying caches, announced requests, and ``akv`` processes with their JSON line
 Contents: byte ``i`` of the element at (layer, K/V, global head, token of the request, dim)
 of request ``seed`` gets a hash of those global indices, so any misplaced head, token,
 layer, K/V plane or block shows up when a decode rank compares its cache with
-:func:`expected_blocks`. torch is imported only by the functions that touch tensors.
+[`expected_blocks`][akv.testing.expected_blocks]. torch is imported only by the functions that touch tensors.
 """
 
 from __future__ import annotations
@@ -55,9 +55,18 @@ def expected_blocks(
     seed: int,
     positions: npt.ArrayLike,
 ) -> npt.NDArray[np.uint8]:
-    """The bytes of the blocks at ``positions`` (block index within the request) of one region.
+    """The expected bytes of some blocks of one request in one region of one rank.
 
-    Returns an array of shape ``(len(positions), block_bytes)`` in the rank's own layout.
+    Args:
+        spec: the cache description.
+        tp_rank: the rank, in ``[0, tp_size)``.
+        tp_size: its engine's TP size.
+        region: the region index (layer-major, K before V).
+        seed: the request's seed (its contents differ per seed).
+        positions: block indices within the request (0 for its first block).
+
+    Returns:
+        an array of shape ``(len(positions), block_bytes)``, in the rank's own layout.
     """
     pos = np.asarray(positions, dtype=np.int64)
     seed &= 0xFFFF
@@ -113,7 +122,8 @@ def _block_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def fill_request(
     kv: Sequence[torch.Tensor], spec: KVSpec, rank: int, size: int, block_ids: Sequence[int], seed: int
 ) -> None:
-    """Write request ``seed``'s deterministic contents into ``block_ids`` of one rank's cache."""
+    """Write request ``seed``'s deterministic contents into ``block_ids`` of one rank's cache:
+    ``kv`` of rank ``rank`` of ``size``, described by ``spec``."""
     import torch
 
     idx = torch.as_tensor(list(block_ids))
@@ -133,7 +143,8 @@ def verify_request(
     seed: int,
     positions: npt.ArrayLike,
 ) -> bool:
-    """True if ``block_ids`` of one rank's cache hold request ``seed``'s blocks at ``positions``."""
+    """True if ``block_ids`` of one rank's cache (``kv`` of rank ``rank`` of ``size``, described
+    by ``spec``) hold request ``seed``'s blocks at ``positions`` (block indices within the request)."""
     idx = list(block_ids)
     pos = np.asarray(positions)
     for region, t in enumerate(kv):
@@ -144,7 +155,11 @@ def verify_request(
 
 
 def make_requests(spec: KVSpec, count: int, per_request: int, seed: int) -> list[RequestInfo]:
-    """Deterministic requests over distinct, shuffled (fragmented) prefill blocks."""
+    """``count`` deterministic requests of ``per_request`` blocks each, over distinct, shuffled
+    (fragmented) blocks of ``spec``'s pool; ``seed`` picks the ids and blocks.
+
+    Raises [`ConfigError`][akv.errors.ConfigError] if the pool is too small.
+    """
     if count * per_request > spec.num_blocks:
         raise ConfigError(
             f"{count} requests x {per_request} blocks exceed the {spec.num_blocks}-block pool: "
@@ -202,14 +217,14 @@ def spec_argv(spec: KVSpec) -> list[str]:
 
 
 def json_lines(stream: Iterable[str]) -> Iterator[dict[str, Any]]:
-    """The JSON objects a CLI process prints, one a line (UCX may interleave lines of its own)."""
+    """The JSON objects in ``stream``, the lines a CLI process prints (other lines are skipped)."""
     for line in stream:
         if line.startswith("{"):
             yield dict(json.loads(line))
 
 
 async def ajson_lines(stream: Any) -> AsyncIterator[dict[str, Any]]:
-    """:func:`json_lines` for an anyio byte stream (a process's stdout)."""
+    """[`json_lines`][akv.testing.json_lines] for ``stream``, an anyio byte stream (a process's stdout)."""
     import anyio
     from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -227,20 +242,26 @@ async def ajson_lines(stream: Any) -> AsyncIterator[dict[str, Any]]:
 def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
     """Start ``akv prefill ARGV --json`` in another process; returns it and its endpoint.
 
-    Raises :class:`AkvError` if the process exits before printing its ``ready`` line.
+    ``argv`` are ``akv prefill`` flags; ``env`` adds to this process's environment.
+
+    Raises [`AkvError`][akv.errors.AkvError] if the process exits before printing its ``ready`` line.
     """
     cmd = [sys.executable, "-m", "akv", "prefill", *argv, "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     for msg in json_lines(proc.stdout or iter(())):
         if msg.get("event") == "ready":
             return proc, str(msg["endpoint"])
-    raise AkvError(f"akv prefill exited ({proc.wait()}) before it was ready: {' '.join(cmd)}")
+    code = proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    raise AkvError(f"akv prefill exited ({code}) before it was ready: {' '.join(cmd)}")
 
 
 async def fetch_requests(
     endpoint: str, spec: KVSpec, secret: str | None, engine_id: str
 ) -> list[RequestInfo]:
-    """Ask a prefill engine which requests it exposed (the demo's stand-in for a router)."""
+    """Ask the prefill engine at ``endpoint`` which requests it exposed (the demo's stand-in
+    for a router), as decode engine ``engine_id`` with the model ``spec`` and ``secret``."""
     from akv.protocol.address import parse_endpoint
     from akv.protocol.handshake import resolve_secret
     from akv.protocol.messages import Hello
@@ -265,7 +286,8 @@ async def fetch_requests(
 
 
 class ProgressBar:
-    """A one-line progress bar on stderr (drawn only where ``enabled``)."""
+    """A one-line progress bar on stderr, drawn only where ``enabled``: its ``label``, then a
+    bar ``width`` characters wide."""
 
     def __init__(self, enabled: bool, label: str = "pulling", width: int = 30) -> None:
         self.enabled = enabled

@@ -54,18 +54,16 @@ def prefill_main(router: Any, done: Any) -> None:
             server = akv.ControlServer()
             endpoint = await tg.start(server.serve)
             caches = [akv.allocate_kv_cache(SPEC, r, PREFILL_TP) for r in range(PREFILL_TP)]
-            owners: dict[str, int] = {}
 
-            def on_release(rel: akv.Release) -> None:  # once per rank; free when all ranks released
+            def free(rel: akv.EngineRelease) -> None:  # once every prefill rank released it
                 nonlocal released
-                owners[rel.request_id] -= 1
-                if owners[rel.request_id] == 0:
-                    allocator.release(rel.block_ids)
-                    released += 1
+                allocator.release(rel.block_ids)
+                released += 1
 
+            releases = akv.EngineReleases(PREFILL_TP, on_release=free)
             producers = [
                 akv.Producer(
-                    caches[r], SPEC, tp_rank=r, tp_size=PREFILL_TP, server=server, on_release=on_release
+                    caches[r], SPEC, tp_rank=r, tp_size=PREFILL_TP, server=server, on_release=releases.rank(r)
                 )
                 for r in range(PREFILL_TP)
             ]
@@ -77,7 +75,6 @@ def prefill_main(router: Any, done: Any) -> None:
                     for r in range(PREFILL_TP):
                         write_kv(caches[r], r, blocks, seed=i)
                     rid = f"req-{i}"
-                    owners[rid] = PREFILL_TP
                     for p in producers:
                         p.expose(rid, blocks)
                     router.put(("request", rid, blocks, i))

@@ -62,9 +62,16 @@ def prefill_process(
     try:
         yield proc, endpoint
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """Kill a CLI process if it still runs, reap it and close its stdout pipe."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def summary_of(proc: subprocess.Popen[str], timeout: float = 30) -> dict[str, object]:

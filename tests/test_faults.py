@@ -15,7 +15,7 @@ import akv
 from akv.cli import build_parser
 from akv.cli.args import spec_from_args
 from akv.testing import fetch_requests, spawn_prefill
-from tests.conftest import MODEL, prefill_process, read_json_line, summary_of, verify
+from tests.conftest import MODEL, prefill_process, read_json_line, stop, summary_of, verify
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -95,13 +95,10 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
                 assert sa.agents[0] != old_agent  # new agent: stale metadata was dropped
                 assert verify(consumer, list(range(16)), r.seed, range(16))
             finally:
-                reborn.kill()
-                reborn.wait(5)
+                stop(reborn)
     finally:
         for proc in (victim, other):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(5)
+            stop(proc)
 
 
 async def test_hung_peer_times_out_and_releases_by_lease() -> None:
@@ -178,8 +175,7 @@ async def test_transfer_to_hung_peer_times_out(
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-        proc.wait(5)
+        stop(proc)
 
 
 async def test_decode_crash_after_handshake_releases_everything_by_lease_once() -> None:
@@ -206,7 +202,7 @@ async def test_decode_crash_after_handshake_releases_everything_by_lease_once() 
         first = read_json_line(decode)  # one request pulled: handshakes are done
         assert first["event"] == "progress", first
         decode.send_signal(signal.SIGKILL)
-        decode.wait(5)
+        stop(decode)
         summary = summary_of(proc)
     assert summary["duplicate_releases"] == 0 and summary["unreleased"] == 0
     assert summary["released"] + summary["expired"] == 12

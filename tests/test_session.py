@@ -99,11 +99,11 @@ async def test_lease_expiry_releases_once_and_late_notice_is_counted() -> None:
     LeaseExpiredError (never success) and its 'done' is counted as unknown."""
     spec = make_spec()
     async with prefill_engine(spec, 1, lease=0.2) as engine, decode_engine(spec, 1) as (consumer,):
-        stream = engine.producers[0].releases()
-        engine.fill("slow", [1, 2], seed=1)
-        await wait_for(lambda: engine.releases)
-        assert [(r.request_id, r.reason) for r in engine.releases] == [("slow", "expired")]
-        rel = await stream.receive()
+        with engine.producers[0].releases() as stream:
+            engine.fill("slow", [1, 2], seed=1)
+            await wait_for(lambda: engine.releases)
+            assert [(r.request_id, r.reason) for r in engine.releases] == [("slow", "expired")]
+            rel = await stream.receive()
         assert rel.reason == "expired" and list(rel.block_ids) == [1, 2]
         session = await consumer.connect(engine.endpoint)
         with pytest.raises(akv.LeaseExpiredError, match="released by lease"):

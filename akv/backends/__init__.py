@@ -1,4 +1,4 @@
-"""Backends: the transport behind a small interface. :mod:`akv.backends.nixl` is the only
+"""Backends: the transport behind a small interface. `akv.backends.nixl` is the only
 module of akv that imports ``nixl``; it is loaded only when a rank starts."""
 
 from __future__ import annotations

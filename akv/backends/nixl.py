@@ -2,14 +2,22 @@
 
 It registers KV tensors, prepares strided descriptor lists, posts prepped READs with
 np.int32 indices, reports transfer states and moves notifications. Every NIXL exception
-crosses into akv through one table (:data:`ERROR_TABLE`) in :func:`map_exceptions`. It holds
+crosses into akv through one table (`ERROR_TABLE`) in `map_exceptions`. It holds
 no policy: when to poll, retry or fail is the runtime's business. Close order: transfers,
 descriptor lists, remote agents, registrations.
+
+NIXL's Python logger writes INFO lines to stdout when imported ("Initialized NIXL agent
+..."), which breaks programs that parse their own stdout. When akv first loads NIXL it moves
+that handler to stderr and, unless ``NIXL_LOG_LEVEL`` is set, raises the ``nixl`` logger to
+WARNING. ``NIXL_LOG_LEVEL=INFO`` (or ``DEBUG``) brings NIXL's logs back, on stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,13 +34,28 @@ if TYPE_CHECKING:
 __all__ = ["ERROR_TABLE", "NixlBackend", "map_exceptions", "nixl_version"]
 
 _nixl_lock = threading.Lock()
+_logs_moved = False
 
 
 def _api() -> Any:
+    global _logs_moved
     with _nixl_lock:
         from nixl import _api
 
+        if not _logs_moved:
+            _logs_moved = True
+            keep_stdout_clean()
         return _api
+
+
+def keep_stdout_clean() -> None:
+    """Move the ``nixl`` logger's stdout handlers to stderr; WARNING unless ``NIXL_LOG_LEVEL`` is set."""
+    logger = logging.getLogger("nixl")
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+            handler.setStream(sys.stderr)
+    if not os.environ.get("NIXL_LOG_LEVEL") and logger.level < logging.WARNING:
+        logger.setLevel(logging.WARNING)
 
 
 def nixl_version() -> str:
@@ -65,10 +88,10 @@ def _describe(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def map_exceptions(what: str, default: type[AkvError] = BackendError) -> Iterator[None]:
-    """Turn NIXL exceptions raised inside the block into akv errors (see :data:`ERROR_TABLE`).
+    """Turn NIXL exceptions raised inside the block into akv errors (see `ERROR_TABLE`).
 
-    Operations outside a transfer keep :class:`BackendError` whatever NIXL raised; transfer
-    operations pass ``default=TransferError`` so a lost peer becomes :class:`PeerLostError`.
+    Operations outside a transfer keep [`BackendError`][akv.errors.BackendError] whatever NIXL raised; transfer
+    operations pass ``default=TransferError`` so a lost peer becomes [`PeerLostError`][akv.errors.PeerLostError].
     """
     try:
         yield
@@ -82,7 +105,7 @@ def map_exceptions(what: str, default: type[AkvError] = BackendError) -> Iterato
 
 
 class NixlBackend:
-    """One NIXL agent (one per TP rank), implementing :class:`akv.backends.Backend`.
+    """One NIXL agent (one per TP rank), implementing `akv.backends.Backend`.
 
     ``progress_thread`` enables UCX's own progress thread; on small machines it costs more
     than it gives, so akv progresses the agent from its poller by default. The agent is
@@ -220,7 +243,7 @@ class NixlBackend:
         return handle
 
     def state(self, handle: XferHandle) -> XferState:
-        """Poll one transfer: "DONE" or "PROC"; raises :class:`TransferError` on failure."""
+        """Poll one transfer: "DONE" or "PROC"; raises [`TransferError`][akv.errors.TransferError] on failure."""
         with map_exceptions("transfer failed", TransferError):
             state = self._agent.check_xfer_state(handle)
         if state == "ERR":
@@ -271,7 +294,7 @@ class NixlBackend:
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` ran."""
+        """True once [`close`][akv.testing.ProgressBar.close] ran."""
         return self._closed
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 Each workload starts a real ``akv prefill`` process and reads from it in this (decode)
 process. Every method moves the same bytes for the same block ids:
 
-* ``akv``: :meth:`TransferSession.pull` and ``await``;
+* ``akv``: [`TransferSession.pull`][akv.TransferSession.pull] and ``await``;
 * ``nixl``: a hand-written hot loop on the raw ``nixl_agent`` over the same strided prepped
   lists: ``make_prepped_xfer`` with np.int32 indices, ``transfer``, spin on
   ``check_xfer_state``;
@@ -200,6 +200,8 @@ async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], No
     finally:
         proc.terminate()
         proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
     return fig
 
 
@@ -430,7 +432,7 @@ def _table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
 
 
 def _table_prep_fresh(blocks: int) -> dict[str, float]:
-    """:func:`_table_prep` in a fresh process, so that memory figures are not hidden by reuse."""
+    """`_table_prep` in a fresh process, so that memory figures are not hidden by reuse."""
     code = f"import json; from akv.bench.run import _table_prep; print(json.dumps(_table_prep({blocks})))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
@@ -515,14 +517,25 @@ def _print_table(summary: dict[str, Any]) -> None:
     print(f"table preparation: {summary['table_prep']}")
 
 
-def _plot(summary: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
+def check_plot(path: str) -> None:
+    """Before running: ``--plot`` needs matplotlib and a directory to write into."""
+    from akv.errors import ConfigError
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("akv bench --plot needs matplotlib: pip install 'akv[bench]'") from None
+        raise ConfigError("--plot needs matplotlib: pip install 'akv[bench]' (or leave out --plot)") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"--plot {path}: cannot write into {folder}: choose a writable path")
+
+
+def _plot(summary: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     names = [w["name"] for w in summary["workloads"]]
     methods = ("akv", "nixl", "perblock", "memcpy")
     x = np.arange(len(names))
@@ -540,16 +553,29 @@ def _plot(summary: dict[str, Any], path: str) -> None:
 def add_bench_parser(sub: Any) -> None:
     """Register ``akv bench``."""
     p: argparse.ArgumentParser = sub.add_parser(
-        "bench", help="benchmarks: akv vs hand-written NIXL, per-block, memcpy"
+        "bench",
+        help="benchmarks: akv vs hand-written NIXL, per-block, memcpy",
+        description="akv against a hand-written NIXL loop, the per-block scheme and memcpy on the same "
+        "reads, plus poller and table-preparation figures (docs/performance.md).",
     )
-    p.add_argument("--quick", action="store_true", help="smaller workloads (a few minutes on 2 cores)")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--plot", metavar="FILE.png", help="draw bandwidth per workload and method")
-    p.add_argument("-v", "--verbose", action="count", default=0)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller workloads: about 40 s on 2 CPU cores (the full run: about 95 s)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw bandwidth per workload and method (needs matplotlib: pip install 'akv[bench]')",
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logs on stderr (-vv: debug)")
 
     def run(a: argparse.Namespace) -> int:
         from akv.testing import ProgressBar
 
+        if a.plot:
+            check_plot(a.plot)  # before the run, not after minutes of it
         tty = sys.stderr.isatty()
         started = time.monotonic()
         steps = 2 * len(WORKLOADS) + 2  # warm-up and measurement per workload; poller; tables
@@ -566,12 +592,17 @@ def add_bench_parser(sub: Any) -> None:
         summary = anyio.run(run_bench, a.quick, progress)
         bar.close()
         summary["seconds"] = round(time.monotonic() - started, 1)
-        if a.plot:
-            _plot(summary, a.plot)
         if a.json:
-            print(json.dumps(summary, separators=(",", ":")))
+            print(json.dumps(summary, separators=(",", ":")), flush=True)
         else:
             _print_table(summary)
+            sys.stdout.flush()
+        if a.plot:
+            try:
+                _plot(summary, a.plot)
+            except Exception as exc:  # the figures are printed already; say why there is no plot
+                print(f"akv bench: no plot: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
         return 0
 
     p.set_defaults(func=run)

@@ -1,27 +1,51 @@
-"""Flags, exit codes and output helpers shared by the ``akv`` commands."""
+"""Flags, validation, exit codes and output helpers shared by the ``akv`` commands.
+
+Every command validates its arguments before any I/O (`check`, `check_model`,
+...); a mistake found later (a port in use, an unbindable host) still arrives as a
+[`ConfigError`][akv.errors.ConfigError] or an ``OSError``, possibly wrapped in exception groups by
+task groups: `usage_error` finds it, and ``akv`` prints it as one line and exits 64.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
-from akv.geometry.spec import KVSpec
+from akv.errors import ConfigError
+from akv.geometry.spec import DTYPE_SIZES, KVSpec
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
+    "DEFAULT_BLOCKS",
     "EXIT_EXPIRED",
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_USAGE",
     "add_common",
     "add_model_flags",
+    "check",
+    "check_model",
+    "check_port",
+    "check_seconds",
     "emit",
+    "first_leaf",
     "report",
+    "size_pool",
     "spec_from_args",
+    "usage_error",
+    "verbosity_argv",
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_EXPIRED, EXIT_USAGE = 0, 1, 3, 64  # 2 is argparse's usage error
+
+#: Blocks in each rank's pool when ``--blocks`` is not given (prefill and demo raise it to
+#: fit ``--requests`` x ``--blocks-per-request``).
+DEFAULT_BLOCKS = 256
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -30,29 +54,113 @@ def emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model shape (must match on both sides)")
-    g.add_argument("--kv-heads", type=int, required=True, help="total KV heads of the model")
-    g.add_argument("--mla", action="store_true", help="MLA latent cache (replicated on every rank)")
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--blocks", type=int, default=256, help="blocks in each rank's pool")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    g.add_argument("--head-dim", type=int, default=64, help="head dim (latent dim for MLA)")
-    g.add_argument("--dtype", default="bfloat16")
-    g.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+def add_model_flags(p: argparse.ArgumentParser, *, sized: bool = False, kv_heads: int | None = None) -> None:
+    """The model-shape flags. ``sized``: ``--blocks`` defaults to what the requests need."""
+    g = p.add_argument_group("model shape (must match on both sides, except --blocks)")
+    g.add_argument(
+        "--kv-heads",
+        type=int,
+        default=kv_heads,
+        metavar="H",
+        help="total KV heads of the model; required unless --mla"
+        + (" (default: %(default)s)" if kv_heads is not None else ""),
+    )
+    g.add_argument("--mla", action="store_true", help="MLA latent cache, replicated on every rank")
+    g.add_argument("--layers", type=int, default=4, help="transformer layers (default: %(default)s)")
+    blocks_help = (
+        f"blocks in each rank's pool (default: {DEFAULT_BLOCKS}, or --requests x --blocks-per-request "
+        "if larger)"
+        if sized
+        else "blocks in each rank's pool (default: %(default)s)"
+    )
+    g.add_argument("--blocks", type=int, default=None if sized else DEFAULT_BLOCKS, help=blocks_help)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per block (default: %(default)s)")
+    g.add_argument(
+        "--head-dim", type=int, default=64, help="head dim, or latent dim with --mla (default: %(default)s)"
+    )
+    g.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help=f"element type: {', '.join(sorted(DTYPE_SIZES))} (default: %(default)s)",
+    )
+    g.add_argument(
+        "--layout",
+        choices=["HND", "NHD"],
+        default="HND",
+        help="per-block axis order: heads before tokens (HND) or after (default: %(default)s)",
+    )
     g.add_argument("--joint-kv", action="store_true", help="K and V in one region per layer")
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="JSON lines on stdout, summary last")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logs on stderr")
-    p.add_argument("--secret", default=None, help="shared secret (default: $AKV_SECRET)")
+    p.add_argument("--json", action="store_true", help="JSON lines on stdout, the summary last")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logs on stderr (-vv: debug)")
+    p.add_argument("--secret", default=None, help="shared secret of the control plane (default: $AKV_SECRET)")
+
+
+# -- validation (no I/O) ------------------------------------------------------------------
+
+
+def check(ok: bool, message: str) -> None:
+    """Raise [`ConfigError`][akv.errors.ConfigError] with ``message`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_seconds(value: float, flag: str, *, zero_ok: bool = False) -> None:
+    """A finite number of seconds, > 0 (or >= 0 with ``zero_ok``)."""
+    ok = math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+    check(ok, f"{flag} must be a number of seconds {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def check_port(port: int) -> None:
+    check(0 <= port <= 65535, f"--port must be in 0-65535 (0 picks a free port), got {port}")
+
+
+def check_model(a: argparse.Namespace, *tp_flags: str) -> None:
+    """The model flags, and that the model can be sharded over each TP size in ``tp_flags``."""
+    if a.kv_heads is None and not a.mla:
+        raise ConfigError("--kv-heads is required (the model's total KV heads), unless --mla")
+    flags = {"layers": a.layers, "block-size": a.block_size, "head-dim": a.head_dim}
+    if not a.mla:
+        flags["kv-heads"] = a.kv_heads
+    if a.blocks is not None:
+        flags["blocks"] = a.blocks
+    for flag, value in flags.items():
+        check(value >= 1, f"--{flag} must be >= 1, got {value}")
+    check(
+        a.dtype in DTYPE_SIZES,
+        f"--dtype {a.dtype} is not supported: use one of {', '.join(sorted(DTYPE_SIZES))}",
+    )
+    check(not (a.mla and a.joint_kv), "--mla and --joint-kv exclude each other: an MLA cache has no K and V")
+    spec = spec_from_args(a)
+    for flag in tp_flags:
+        tp = getattr(a, flag.lstrip("-").replace("-", "_"))
+        check(tp >= 1, f"{flag} must be >= 1, got {tp}")
+        try:
+            spec.check_rank(0, tp)
+        except ConfigError as exc:
+            raise ConfigError(f"{flag} {tp}: {exc}") from None
+
+
+def size_pool(a: argparse.Namespace) -> None:
+    """Check ``--requests`` and ``--blocks-per-request``; size ``--blocks`` to fit them if not given."""
+    check(a.requests >= 1, f"--requests must be >= 1, got {a.requests}")
+    check(a.blocks_per_request >= 1, f"--blocks-per-request must be >= 1, got {a.blocks_per_request}")
+    need = a.requests * a.blocks_per_request
+    if a.blocks is None:
+        a.blocks = max(DEFAULT_BLOCKS, need)
+    check(
+        need <= a.blocks,
+        f"--requests {a.requests} x --blocks-per-request {a.blocks_per_request} = {need} blocks exceed "
+        f"--blocks {a.blocks}: raise --blocks (or leave it out) or lower the others",
+    )
 
 
 def spec_from_args(a: argparse.Namespace) -> KVSpec:
     return KVSpec.create(
         layers=a.layers,
-        num_blocks=a.blocks,
+        num_blocks=a.blocks if a.blocks is not None else DEFAULT_BLOCKS,
         block_size=a.block_size,
         kv_heads=1 if a.mla else a.kv_heads,
         head_dim=a.head_dim,
@@ -61,6 +169,33 @@ def spec_from_args(a: argparse.Namespace) -> KVSpec:
         layout=a.layout,
         joint_kv=a.joint_kv,
     )
+
+
+def verbosity_argv(a: argparse.Namespace) -> list[str]:
+    """``-v`` flags that pass this command's verbosity on to a child command."""
+    return ["-" + "v" * a.verbose] if getattr(a, "verbose", 0) else []
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+def first_leaf(
+    exc: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]
+) -> BaseException | None:
+    """The first exception of ``kind`` in ``exc``, looking inside (nested) exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = first_leaf(inner, kind)
+            if found is not None:
+                return found
+        return None
+    return exc if isinstance(exc, kind) else None
+
+
+def usage_error(exc: BaseException) -> BaseException | None:
+    """The configuration error inside ``exc``: a [`ConfigError`][akv.errors.ConfigError], else an ``OSError``
+    (binding a port or host), else None. Task groups wrap both in exception groups."""
+    return first_leaf(exc, ConfigError) or first_leaf(exc, OSError)
 
 
 def report(a: argparse.Namespace, summary: dict[str, Any], text: str) -> None:

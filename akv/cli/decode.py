@@ -12,11 +12,27 @@ from typing import Any
 import anyio
 import numpy as np
 
-from akv.cli.args import EXIT_FAILED, EXIT_OK, emit, report, spec_from_args
-from akv.errors import AkvError
+from akv.cli.args import EXIT_FAILED, EXIT_OK, check, check_model, check_seconds, emit, report, spec_from_args
+from akv.errors import AkvError, ConfigError
+from akv.protocol.address import parse_endpoint
 from akv.testing import fetch_requests, verify_request
 
-__all__ = ["BlockAllocator", "cmd_decode", "run_decode"]
+__all__ = ["BlockAllocator", "cmd_decode", "run_decode", "validate"]
+
+
+def validate(a: argparse.Namespace) -> None:
+    """Every flag of ``akv decode``, before connecting ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
+    try:
+        parse_endpoint(a.connect)
+    except ConfigError:
+        raise ConfigError(
+            f"--connect {a.connect!r} is not HOST:PORT: pass the endpoint of the prefill engine's "
+            "ready line (for example 127.0.0.1:5555)"
+        ) from None
+    check_model(a, "--tp-size")
+    check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
+    check_seconds(a.transfer_timeout, "--transfer-timeout")
+    check(a.engine_id is None or bool(a.engine_id), "--engine-id must not be empty")
 
 
 class BlockAllocator:
@@ -47,6 +63,12 @@ async def run_decode(
     spec = spec_from_args(a)
     engine_id = a.engine_id or f"decode-{uuid.uuid4().hex[:8]}"
     requests = await fetch_requests(a.connect, spec, a.secret, engine_id)
+    largest = max((len(r.block_ids) for r in requests), default=0)
+    check(
+        largest <= spec.num_blocks,
+        f"the prefill engine announces requests of {largest} blocks, more than --blocks {spec.num_blocks}: "
+        f"raise --blocks to at least {largest}",
+    )
     stats = {"verified": 0, "failed": 0, "bytes": 0}
     errors: list[str] = []
     started = time.monotonic()
@@ -129,8 +151,11 @@ def cmd_decode(a: argparse.Namespace) -> int:
         if a.json:
             emit({"event": "progress", "done": done, "total": total})
 
+    validate(a)
     try:
         summary = anyio.run(run_decode, a, progress)
+    except ConfigError:
+        raise  # exit 64, one line (akv.cli.main)
     except AkvError as exc:
         summary = {
             "event": "summary",

@@ -11,10 +11,30 @@ from typing import Any
 
 import anyio
 
-from akv.cli.args import EXIT_FAILED, EXIT_OK, emit, spec_from_args
+from akv.cli.args import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    check,
+    check_model,
+    check_seconds,
+    emit,
+    size_pool,
+    spec_from_args,
+    verbosity_argv,
+)
 from akv.testing import ProgressBar, ajson_lines, spec_argv
 
-__all__ = ["cmd_demo", "run_demo"]
+__all__ = ["cmd_demo", "run_demo", "validate"]
+
+
+def validate(a: argparse.Namespace) -> None:
+    """Every flag of ``akv demo``, before starting anything; sizes ``--blocks`` if not given."""
+    check_model(a, "--prefill-tp", "--decode-tp")
+    size_pool(a)
+    check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
+    check_seconds(a.lease, "--lease")
+    check_seconds(a.timeout, "--timeout")
 
 
 async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -22,7 +42,7 @@ async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
     env.setdefault("AKV_SECRET", a.secret or secrets.token_hex(16))  # the demo authenticates its peers
     env["NIXL_LOG_LEVEL"] = env.get("NIXL_LOG_LEVEL", "WARN")
     py = [sys.executable, "-m", "akv"]
-    model = spec_argv(spec_from_args(a))
+    model = [*spec_argv(spec_from_args(a)), *verbosity_argv(a)]
     prefill_cmd = [
         *py,
         "prefill",
@@ -55,8 +75,9 @@ async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
                     endpoint = msg["endpoint"]
                     break
             if endpoint is None:
-                await prefill.wait()
-                return {"event": "summary", "error": "prefill exited before it was ready"}, EXIT_FAILED
+                code = await prefill.wait()
+                error = {"event": "summary", "error": f"prefill exited ({code}) before it was ready"}
+                return error, EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED
             decode_cmd = [
                 *py,
                 "decode",
@@ -90,7 +111,7 @@ async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
         "event": "summary",
         "prefill_tp": a.prefill_tp,
         "decode_tp": a.decode_tp,
-        "kv_heads": a.kv_heads,
+        "kv_heads": 1 if a.mla else a.kv_heads,
         "mla": a.mla,
         "requests": decode_summary.get("requests", 0),
         "verified": decode_summary.get("verified", 0),
@@ -115,9 +136,12 @@ async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
+    validate(a)
     summary, code = anyio.run(run_demo, a)
     if a.json:
         emit(summary)
+    elif code == EXIT_USAGE:
+        pass  # the child said what to change, in one line on stderr
     else:
         kind = "MLA" if a.mla else f"{a.kv_heads} KV heads"
         status = "OK" if code == EXIT_OK else "FAILED"

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from akv._log import configure_cli_logging
-from akv.cli.args import EXIT_FAILED, EXIT_USAGE, add_common, add_model_flags
+from akv.cli.args import EXIT_FAILED, EXIT_USAGE, add_common, add_model_flags, first_leaf, usage_error
 from akv.cli.decode import cmd_decode
 from akv.cli.demo import cmd_demo
 from akv.cli.engines import add_engines_parser
@@ -28,29 +28,69 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="akv", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="akv",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        epilog="exit codes: 0 success; 1 a transfer, verification or handshake failed; 2 unknown or "
+        "missing options; 3 (prefill) a request was released by lease, not by read; 64 an invalid "
+        "configuration (one line on stderr says what to change)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="print which decode rank reads which heads from which prefill rank")
-    p.add_argument("--prefill-tp", type=int, required=True)
-    p.add_argument("--decode-tp", type=int, required=True)
-    p.add_argument("--kv-heads", type=int, required=True)
-    p.add_argument("--mla", action="store_true")
-    p.add_argument("--request-key", type=int, default=0, help="request key (picks among replicas)")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser(
+        "plan",
+        help="print which decode rank reads which heads from which prefill rank",
+        description="Which decode rank reads which heads from which prefill rank, who notifies whom, "
+        "and how many notifications each prefill rank expects per request. No I/O.",
+    )
+    p.add_argument("--prefill-tp", type=int, required=True, metavar="P", help="TP size of the prefill engine")
+    p.add_argument("--decode-tp", type=int, required=True, metavar="D", help="TP size of the decode engine")
+    p.add_argument(
+        "--kv-heads", type=int, metavar="H", help="total KV heads of the model; required unless --mla"
+    )
+    p.add_argument("--mla", action="store_true", help="MLA latent cache, replicated on every rank")
+    p.add_argument(
+        "--request-key", type=int, default=0, help="request key, picks among replicas (default: %(default)s)"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object; its head ranges are half-open [start, stop), the text's are inclusive",
+    )
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("prefill", help="run P prefill ranks that expose deterministic requests")
-    p.add_argument("--tp-size", type=int, required=True)
-    add_model_flags(p)
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--blocks-per-request", type=int, default=8)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--lease", type=float, default=60.0, help="seconds before unread blocks are released")
-    p.add_argument("--timeout", type=float, default=0.0, help="give up after this many seconds (0: never)")
-    p.add_argument("--engine-id", default="prefill")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser(
+        "prefill",
+        help="run P prefill ranks that expose deterministic requests",
+        description="Run the P ranks of a prefill engine in this process (one NIXL agent each, one "
+        "control server), expose deterministic requests and report how each was released.",
+    )
+    p.add_argument("--tp-size", type=int, required=True, metavar="P", help="TP size of this prefill engine")
+    add_model_flags(p, sized=True)
+    p.add_argument("--requests", type=int, default=16, help="requests to expose (default: %(default)s)")
+    p.add_argument(
+        "--blocks-per-request", type=int, default=8, help="blocks of each request (default: %(default)s)"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address the control server binds (default: %(default)s)"
+    )
+    p.add_argument("--port", type=int, default=0, help="port of the control server (default: 0, a free port)")
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=60.0,
+        help="seconds before unread blocks are released (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=0.0, help="give up after this many seconds (default: 0, never)"
+    )
+    p.add_argument("--engine-id", default="prefill", help="name of this engine (default: %(default)s)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the requests' ids, blocks and contents (default: %(default)s)",
+    )
     p.add_argument("--hold", action="store_true", help="keep serving after every request is released")
     p.add_argument("--no-fill", action="store_true", help="leave the cache zeroed (benchmarks)")
     p.add_argument(
@@ -67,30 +107,73 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
     p.set_defaults(func=cmd_prefill)
 
-    p = sub.add_parser("decode", help="run D decode ranks that pull and verify every announced request")
-    p.add_argument("--connect", required=True, metavar="HOST:PORT")
-    p.add_argument("--tp-size", type=int, required=True)
+    p = sub.add_parser(
+        "decode",
+        help="run D decode ranks that pull and verify every announced request",
+        description="Run the D ranks of a decode engine in this process, pull every request a prefill "
+        "engine announces (a partial prefix hit on every third) and verify every byte.",
+    )
+    p.add_argument(
+        "--connect",
+        required=True,
+        metavar="HOST:PORT",
+        help="the prefill engine's control endpoint (the endpoint of its ready line)",
+    )
+    p.add_argument("--tp-size", type=int, required=True, metavar="D", help="TP size of this decode engine")
     add_model_flags(p)
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
-    p.add_argument("--transfer-timeout", type=float, default=30.0)
-    p.add_argument("--engine-id", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--concurrency", type=int, default=8, help="requests in flight at once (default: %(default)s)"
+    )
+    p.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds one pull may take before it fails (default: %(default)s)",
+    )
+    p.add_argument("--engine-id", default=None, help="name of this engine (default: decode-<random>)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the local block choice (default: %(default)s)"
+    )
     add_common(p)
     p.set_defaults(func=cmd_decode)
 
-    p = sub.add_parser("demo", help="run prefill and decode as separate processes and verify every byte")
-    p.add_argument("--prefill-tp", type=int, default=2)
-    p.add_argument("--decode-tp", type=int, default=4)
-    add_model_flags(p)
-    p.set_defaults(kv_heads=8)
-    for action in p._actions:
-        if action.dest == "kv_heads":
-            action.required = False
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--blocks-per-request", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--lease", type=float, default=60.0)
-    p.add_argument("--timeout", type=float, default=300.0)
+    p = sub.add_parser(
+        "demo",
+        help="run prefill and decode as separate processes and verify every byte",
+        description="Start `akv prefill` and `akv decode` as two processes, authenticated by a random "
+        "shared secret; exit 0 only if every request was pulled bit-exact and released by read.",
+    )
+    p.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=2,
+        metavar="P",
+        help="TP size of the prefill engine (default: %(default)s)",
+    )
+    p.add_argument(
+        "--decode-tp",
+        type=int,
+        default=4,
+        metavar="D",
+        help="TP size of the decode engine (default: %(default)s)",
+    )
+    add_model_flags(p, sized=True, kv_heads=8)
+    p.add_argument("--requests", type=int, default=16, help="requests to pull (default: %(default)s)")
+    p.add_argument(
+        "--blocks-per-request", type=int, default=8, help="blocks of each request (default: %(default)s)"
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=8, help="requests in flight at once (default: %(default)s)"
+    )
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=60.0,
+        help="seconds before unread blocks are released (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="give up after this many seconds (default: %(default)s)"
+    )
     add_common(p)
     p.set_defaults(func=cmd_demo)
 
@@ -102,16 +185,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, AkvError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``akv`` command; returns its exit code."""
     parser = build_parser()
     a = parser.parse_args(argv)
     verbose = getattr(a, "verbose", 0)
     configure_cli_logging(logging.WARNING - 10 * min(verbose, 2))
     try:
         code: int = a.func(a)
-    except AkvError as exc:
-        print(f"akv {a.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILED if not isinstance(exc, ValueError) else EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
+    except BaseException as exc:
+        # Task groups wrap errors in (nested) exception groups: report the leaf, in one line.
+        if first_leaf(exc, KeyboardInterrupt) is not None:
+            return 130
+        usage = usage_error(exc)
+        if usage is not None:
+            print(f"akv {a.command}: {_describe(usage)}", file=sys.stderr)
+            return EXIT_USAGE
+        failure = first_leaf(exc, AkvError)
+        if failure is None:
+            raise
+        print(f"akv {a.command}: {type(failure).__name__}: {failure}", file=sys.stderr)
+        return EXIT_FAILED
     return code

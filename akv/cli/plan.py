@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from akv import sharding
-from akv.cli.args import EXIT_OK, emit
+from akv.cli.args import EXIT_OK, check, emit
+from akv.errors import ConfigError
 
 __all__ = ["cmd_plan"]
 
@@ -14,8 +15,26 @@ def _heads(r: range) -> str:
     return f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"
 
 
+def validate(a: argparse.Namespace) -> None:
+    """The flags of ``akv plan`` ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
+    check(
+        a.kv_heads is not None or a.mla, "--kv-heads is required (the model's total KV heads), unless --mla"
+    )
+    check(a.prefill_tp >= 1, f"--prefill-tp must be >= 1, got {a.prefill_tp}")
+    check(a.decode_tp >= 1, f"--decode-tp must be >= 1, got {a.decode_tp}")
+    check(a.request_key >= 0, f"--request-key must be >= 0, got {a.request_key}")
+    if not a.mla:
+        check(a.kv_heads >= 1, f"--kv-heads must be >= 1, got {a.kv_heads}")
+        for flag, tp in (("--prefill-tp", a.prefill_tp), ("--decode-tp", a.decode_tp)):
+            try:
+                sharding.check_heads(tp, a.kv_heads)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag} {tp}: {exc}") from None
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
-    P, D, H, mla = a.prefill_tp, a.decode_tp, a.kv_heads, a.mla
+    validate(a)
+    P, D, H, mla = a.prefill_tp, a.decode_tp, (1 if a.mla else a.kv_heads), a.mla
     ranks = []
     for d in range(D):
         plan = sharding.plan_reads(
@@ -34,6 +53,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
                 "kv_heads": H,
                 "mla": mla,
                 "request_key": a.request_key,
+                "ranges": "half-open [start, stop)",  # the text output's ranges are inclusive
                 "decode": [
                     {
                         "rank": d,
@@ -54,7 +74,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         )
         return EXIT_OK
     kind = "MLA (latent cache replicated on every rank)" if mla else f"{H} KV heads"
-    print(f"prefill TP {P} -> decode TP {D}, {kind}, request key {a.request_key}")
+    print(f"prefill TP {P} -> decode TP {D}, {kind}, request key {a.request_key} (head ranges inclusive)")
     if not mla:
         for p in range(P):
             g = sharding.held_heads(p, P, H)

@@ -12,10 +12,40 @@ from typing import Any
 
 import anyio
 
-from akv.cli.args import EXIT_EXPIRED, EXIT_FAILED, EXIT_OK, emit, report, spec_from_args
+from akv.cli.args import (
+    EXIT_EXPIRED,
+    EXIT_FAILED,
+    EXIT_OK,
+    check,
+    check_model,
+    check_port,
+    check_seconds,
+    emit,
+    report,
+    size_pool,
+    spec_from_args,
+)
+from akv.errors import ConfigError
+from akv.protocol.address import is_loopback
+from akv.protocol.handshake import SECRET_ENV, resolve_secret
 from akv.testing import fill_request, load_requests, make_requests
 
-__all__ = ["cmd_prefill", "run_prefill"]
+__all__ = ["cmd_prefill", "run_prefill", "validate"]
+
+
+def validate(a: argparse.Namespace) -> None:
+    """Every flag of ``akv prefill``, before any I/O ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
+    check_model(a, "--tp-size")
+    size_pool(a)
+    check_port(a.port)
+    check_seconds(a.lease, "--lease")
+    check_seconds(a.timeout, "--timeout", zero_ok=True)
+    check(bool(a.engine_id), "--engine-id must not be empty")
+    check(
+        is_loopback(a.host) or a.allow_insecure or resolve_secret(a.secret) is not None,
+        f"refusing to serve KV metadata on non-loopback --host {a.host} without a secret: "
+        f"set {SECRET_ENV} or --secret, or pass --allow-insecure on a trusted network",
+    )
 
 
 async def run_prefill(
@@ -40,7 +70,13 @@ async def run_prefill(
     )
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
-        endpoint = await tg.start(server.serve)
+        try:
+            endpoint = await tg.start(server.serve)
+        except OSError as exc:  # port in use, an address not of this machine, an unknown name
+            raise ConfigError(
+                f"cannot listen on --host {a.host} --port {a.port}: {exc.strerror or exc}: "
+                "choose a free --port (0 picks one) and an address of this machine"
+            ) from None
         async with AsyncExitStack() as stack:
             producers = []
             for rank in range(a.tp_size):
@@ -103,6 +139,7 @@ async def run_prefill(
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
+    validate(a)
     summary = anyio.run(run_prefill, a)
     report(
         a,

@@ -1,6 +1,6 @@
 """Geometry (pure): the description of a rank's paged KV cache and its regions.
 
-:mod:`akv.geometry.spec` holds :class:`KVSpec` (no torch); :mod:`akv.geometry.tensors`
+`akv.geometry.spec` holds [`KVSpec`][akv.KVSpec] (no torch); `akv.geometry.tensors`
 allocates and checks torch tensors for a spec (imports torch).
 """
 

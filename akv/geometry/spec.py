@@ -53,9 +53,20 @@ COMPAT_FIELDS: tuple[str, ...] = (
 class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
     """The model-level shape of a paged KV cache plus this engine's pool size.
 
-    ``kv_heads`` is the model's total number of KV heads (1 for MLA). Per-rank head counts
-    follow from the TP size (see :func:`akv.sharding.held_heads`). Construct with
-    :meth:`KVSpec.create` to validate.
+    Per-rank head counts follow from the TP size (see [`held_heads`][akv.held_heads]).
+    Construct with [`KVSpec.create`][akv.KVSpec.create] to validate. Two engines exchange
+    blocks only if every field but ``num_blocks`` matches.
+
+    Attributes:
+        layers: transformer layers.
+        num_blocks: blocks in this rank's pool (may differ between engines).
+        block_size: tokens per block.
+        kv_heads: the model's total number of KV heads (1 for MLA).
+        head_dim: elements per head (the latent dim for MLA).
+        dtype: element type, one of ``DTYPE_SIZES`` (``"bfloat16"``, ``"float16"``, ...).
+        kind: ``"dense"`` (K and V per head) or ``"mla"`` (one latent cache, replicated on every rank).
+        layout: ``"HND"`` (heads before tokens within a block) or ``"NHD"``.
+        joint_kv: K and V in one region per layer instead of two.
     """
 
     layers: int
@@ -70,7 +81,10 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def create(cls, **fields: object) -> KVSpec:
-        """Build and validate a spec; raises :class:`ConfigError` naming the bad field."""
+        """Build and validate a spec from the ``fields`` above (keywords).
+
+        Raises [`ConfigError`][akv.errors.ConfigError] naming the bad field.
+        """
         try:
             spec = msgspec.convert(fields, cls)
         except msgspec.ValidationError as exc:
@@ -79,7 +93,7 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
         return spec
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` if any field is out of range."""
+        """Raise [`ConfigError`][akv.errors.ConfigError] if any field is out of range."""
         for name in ("layers", "num_blocks", "block_size", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if value < 1:
@@ -112,7 +126,7 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
         return 2 if self.joint_kv else 1
 
     def local_heads(self, tp_rank: int, tp_size: int) -> int:
-        """Number of KV heads a rank stores (always 1 for MLA)."""
+        """Number of KV heads rank ``tp_rank`` of a TP group of ``tp_size`` stores (always 1 for MLA)."""
         if self.kind == "mla":
             sharding.check_tp(tp_rank, tp_size)
             return 1
@@ -123,11 +137,17 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self.block_size * self.head_dim * self.element_size
 
     def block_bytes(self, tp_rank: int, tp_size: int) -> int:
-        """Bytes of one block in one region of a rank."""
+        """Bytes of one block in one region of rank ``tp_rank`` of ``tp_size``."""
         return self.planes * self.local_heads(tp_rank, tp_size) * self.head_bytes()
 
     def region_shape(self, tp_rank: int, tp_size: int) -> tuple[int, ...]:
-        """The tensor shape of each region of a rank (see the module docstring)."""
+        """The tensor shape of each region of rank ``tp_rank`` of a TP group of ``tp_size``.
+
+        Per layout: dense HND ``(num_blocks, local_heads, block_size, head_dim)`` per K and V
+        region; dense NHD ``(num_blocks, block_size, local_heads, head_dim)``; with
+        ``joint_kv`` a ``2`` axis (K, V) after ``num_blocks`` in one region per layer; MLA
+        ``(num_blocks, block_size, head_dim)``.
+        """
         n, b, d = self.num_blocks, self.block_size, self.head_dim
         if self.kind == "mla":
             return (n, b, d)
@@ -142,16 +162,19 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
         return {name: getattr(self, name) for name in COMPAT_FIELDS}
 
     def compat_hash(self) -> str:
-        """A short stable hash of :meth:`compat_dict`, sent in the handshake."""
+        """A short stable hash of [`compat_dict`][akv.KVSpec.compat_dict], sent in the handshake."""
         payload = msgspec.json.encode(self.compat_dict())
         return hashlib.sha256(payload).hexdigest()[:16]
 
     def diff(self, other: KVSpec) -> tuple[str, ...]:
-        """Names of the compatibility fields whose values differ."""
+        """Names of the compatibility fields whose values differ from ``other``'s."""
         return tuple(n for n in COMPAT_FIELDS if getattr(self, n) != getattr(other, n))
 
     def describe_diff(self, other: KVSpec, ours: str, theirs: str) -> str:
-        """The differing fields with both values, e.g. ``"layers: prefill=4 decode=2"``."""
+        """The fields differing from ``other`` with both values, labelled ``ours`` and ``theirs``.
+
+        For example ``"layers: prefill=4 decode=2"`` for ``ours="prefill", theirs="decode"``.
+        """
         return ", ".join(
             f"{f}: {ours}={getattr(self, f)!r} {theirs}={getattr(other, f)!r}" for f in self.diff(other)
         )
@@ -159,7 +182,8 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
     # -- sharding of this model -----------------------------------------------------------
 
     def notify_ranks(self, decode_rank: int, decode_tp: int, prefill_tp: int) -> tuple[int, ...]:
-        """The prefill ranks ``decode_rank`` notifies per request (see :func:`akv.sharding.notify_ranks`)."""
+        """The prefill ranks that ``decode_rank`` of a ``decode_tp`` engine notifies per request,
+        reading from an engine of ``prefill_tp`` ranks."""
         return sharding.notify_ranks(
             decode_rank=decode_rank,
             decode_tp=decode_tp,
@@ -169,7 +193,8 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     def expected_notifications(self, prefill_rank: int, prefill_tp: int, decode_tp: int) -> int:
-        """Decode ranks notifying ``prefill_rank`` per request (see :func:`akv.sharding.expected_notifications`)."""
+        """How many ranks of a ``decode_tp`` engine notify ``prefill_rank`` of a ``prefill_tp``
+        engine per request."""
         return sharding.expected_notifications(
             prefill_rank=prefill_rank,
             prefill_tp=prefill_tp,
@@ -179,7 +204,8 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     def check_rank(self, tp_rank: int, tp_size: int) -> None:
-        """Raise :class:`ConfigError` unless this model can be sharded onto ``tp_rank`` of ``tp_size``."""
+        """Raise [`ConfigError`][akv.errors.ConfigError] unless this model can be sharded onto
+        ``tp_rank`` of a TP group of ``tp_size``."""
         if self.kind == "dense":
             sharding.held_heads(tp_rank, tp_size, self.kv_heads)
         else:

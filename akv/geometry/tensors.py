@@ -23,14 +23,22 @@ def torch_dtype(name: str) -> torch.dtype:
 def allocate_kv_cache(
     spec: KVSpec, tp_rank: int, tp_size: int, device: str | torch.device = "cpu"
 ) -> list[torch.Tensor]:
-    """Zeroed regions for one rank, in the order akv expects (layer-major, K before V)."""
+    """Zeroed regions for rank ``tp_rank`` of a TP group of ``tp_size``, in the order akv
+    expects (layer-major, K before V), shaped by [`KVSpec.region_shape`][akv.KVSpec.region_shape].
+
+    Args:
+        spec: the cache description.
+        tp_rank: the rank's index in ``[0, tp_size)``.
+        tp_size: the engine's tensor-parallel size.
+        device: where to allocate (``"cpu"`` registers as DRAM, ``"cuda:N"`` as VRAM).
+    """
     shape = spec.region_shape(tp_rank, tp_size)
     dtype = torch_dtype(spec.dtype)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_regions)]
 
 
 def check_kv_cache(tensors: Sequence[torch.Tensor], spec: KVSpec, tp_rank: int, tp_size: int) -> None:
-    """Raise :class:`ConfigError` unless ``tensors`` match the spec for this rank."""
+    """Raise [`ConfigError`][akv.errors.ConfigError] unless ``tensors`` match the spec for this rank."""
     if len(tensors) != spec.num_regions:
         raise ConfigError(
             f"expected {spec.num_regions} KV regions ({spec.layers} layers x {spec.regions_per_layer}), "

@@ -37,7 +37,12 @@ ETCD_SCHEME = "etcd://"
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """A control-plane address."""
+    """A control-plane address; ``str()`` gives ``host:port`` (``[host]:port`` for IPv6).
+
+    Attributes:
+        host: host name or IP address.
+        port: TCP port.
+    """
 
     host: str
     port: int
@@ -47,7 +52,7 @@ class Endpoint:
 
 
 def parse_endpoint(value: str | Endpoint | tuple[str, int]) -> Endpoint:
-    """Parse ``"host:port"`` (``"[v6]:port"`` for IPv6); :class:`ConfigError` if malformed."""
+    """Parse ``"host:port"`` (``"[v6]:port"`` for IPv6); [`ConfigError`][akv.errors.ConfigError] if malformed."""
     if isinstance(value, Endpoint):
         return value
     if isinstance(value, tuple):

@@ -108,7 +108,7 @@ def register_mac(secret: bytes, msg: Register) -> bytes:
 class ServerConversation:
     """The server side of one connection's handshake.
 
-    :meth:`receive` takes one decoded message (or the :class:`AkvError` decoding raised) and
+    `receive` takes one decoded message (or the [`AkvError`][akv.errors.AkvError] decoding raised) and
     returns ``(replies, done)``; after ``done`` the connection is closed.
     """
 
@@ -253,8 +253,8 @@ def raise_for_error(err: Error) -> None:
 class ClientConversation:
     """The decode side of one handshake.
 
-    :meth:`start` gives the first message to send; :meth:`receive` takes each reply and
-    returns the next message to send, or None once :attr:`result` is set. Refusals and
+    `start` gives the first message to send; `receive` takes each reply and
+    returns the next message to send, or None once [`result`][akv.Transfer.result] is set. Refusals and
     protocol violations raise typed errors.
     """
 

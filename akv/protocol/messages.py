@@ -180,7 +180,7 @@ def encode_frame(message: Message) -> bytes:
 
 
 def decode_message(body: bytes) -> Message:
-    """Decode one frame body; :class:`VersionMismatchError` for another version, :class:`FrameError`
+    """Decode one frame body; [`VersionMismatchError`][akv.errors.VersionMismatchError] for another version, [`FrameError`][akv.errors.FrameError]
     for a bad message."""
     try:
         probe = _probe.decode(body)
@@ -206,7 +206,7 @@ class FrameBuffer:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[bytes]:
-        """Add received bytes; returns the complete frame bodies. Raises :class:`FrameError`."""
+        """Add received bytes; returns the complete frame bodies. Raises [`FrameError`][akv.errors.FrameError]."""
         self._buf += data
         frames = []
         while len(self._buf) >= _HEADER.size:
@@ -251,7 +251,7 @@ def encode_notice(notice: Notice) -> bytes:
 
 
 def decode_notice(data: bytes) -> Notice:
-    """Parse a notification; :class:`ProtocolError` if it is not an akv notice."""
+    """Parse a notification; [`ProtocolError`][akv.errors.ProtocolError] if it is not an akv notice."""
     if not data.startswith(_NOTICE_MAGIC):
         raise ProtocolError("not an akv notification")
     try:

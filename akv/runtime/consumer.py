@@ -56,7 +56,7 @@ class CheckPool:
         return np.array([[self.array.ctypes.data, size, 0, size, len(self.array)]], dtype=np.int64)
 
     def acquire(self) -> int:
-        """A free slot; :class:`TransferError` if every one is in use."""
+        """A free slot; [`TransferError`][akv.errors.TransferError] if every one is in use."""
         if not self._free:
             raise TransferError(f"{len(self.array)} exposure checks already in flight: raise max_checks")
         slot = self._free.pop()
@@ -71,11 +71,11 @@ class CheckPool:
 class Consumer(RankBase):
     """One decode rank: registers its KV cache, connects to prefill engines, runs the poller.
 
-    Use as an async context manager; :meth:`connect` returns a cached
-    :class:`TransferSession` per endpoint (concurrent callers share one handshake).
+    Use as an async context manager; [`connect`][akv.Consumer.connect] returns a cached
+    [`TransferSession`][akv.TransferSession] per endpoint (concurrent callers share one handshake).
 
     Args:
-        kv_caches: this rank's regions (see :meth:`KVSpec.region_shape`), CPU or CUDA tensors.
+        kv_caches: this rank's regions (see [`KVSpec.region_shape`][akv.KVSpec.region_shape]), CPU or CUDA tensors.
         spec: the cache description (the same model as the prefill engine's).
         tp_rank: this rank's index in ``[0, tp_size)``.
         tp_size: the decode engine's tensor-parallel size.
@@ -168,7 +168,7 @@ class Consumer(RankBase):
         self._sessions.clear()
 
     async def aclose(self) -> None:
-        """Fail running transfers with :class:`ClosedError`, release everything. Idempotent."""
+        """Fail running transfers with [`ClosedError`][akv.errors.ClosedError], release everything. Idempotent."""
         await self.__aexit__(None, None, None)
 
     @property
@@ -197,8 +197,8 @@ class Consumer(RankBase):
         etcd). The session handshakes with every prefill rank this rank needs, concurrently.
 
         Concurrent callers share one handshake; if it fails, each waiter tries again in turn.
-        Raises :class:`HandshakeError` (or :class:`IncompatiblePeerError`,
-        :class:`AuthenticationError`) if the handshake fails.
+        Raises [`HandshakeError`][akv.errors.HandshakeError] (or [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError],
+        [`AuthenticationError`][akv.errors.AuthenticationError]) if the handshake fails.
         """
         if not self.running:
             raise ClosedError("the consumer is not running")

@@ -1,6 +1,6 @@
 """The control plane's I/O: the handshake server of a prefill rank, the client of a decode rank.
 
-The conversations themselves are the sans-IO state machines of :mod:`akv.protocol.handshake`;
+The conversations themselves are the sans-IO state machines of `akv.protocol.handshake`;
 this module only moves their frames over TCP, with limits and timeouts.
 """
 
@@ -63,12 +63,26 @@ class _Conn:
 
 
 class ControlServer:
-    """Serves handshakes for the prefill ranks added to it.
+    """The control endpoint of a prefill engine: serves handshakes for its ranks.
 
-    Binds ``127.0.0.1`` by default; binding any other address requires a secret unless
-    ``allow_insecure`` is set. Limits: ``max_connections`` at once (at the cap, the oldest
-    connection that has not sent a valid Hello is dropped; if every one has, the newcomer
-    gets a ``busy`` error), ``read_timeout`` per read and ``max_frame`` bytes per client frame.
+    The ranks of one engine in one process share one server (pass it as ``server=`` to each
+    [`Producer`][akv.Producer]); start it with ``endpoint = await tg.start(server.serve)``.
+    Binding an address other than loopback requires a secret unless ``allow_insecure``.
+
+    Args:
+        host: the address to bind (default loopback).
+        port: the port to bind (0 picks a free one: see [`endpoint`][akv.ControlServer.endpoint]).
+        secret: shared secret that decode engines must prove (default ``$AKV_SECRET``).
+        allow_insecure: serve a non-loopback address without a secret (trusted networks only).
+        max_connections: connections at once; at the cap, the oldest connection that has not
+            sent a valid Hello is dropped (if every one has, the newcomer gets a ``busy`` error).
+        read_timeout: seconds each read of a connection may take.
+        max_frame: bytes a client frame may have.
+        directory: returns the requests to announce to clients that ask (demos and tests).
+        metrics: where to count handshakes (default: a new [`Metrics`][akv.Metrics]).
+
+    Raises:
+        ConfigError: a non-loopback ``host`` without a secret or ``allow_insecure``.
     """
 
     def __init__(
@@ -167,7 +181,10 @@ class ControlServer:
         return first.engine_id
 
     async def serve(self, *, task_status: TaskStatus[Endpoint] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Listen and serve until cancelled; reports the bound endpoint via ``task_status``."""
+        """Listen and serve until cancelled; reports the bound endpoint via ``task_status``.
+
+        Raises ``OSError`` if the address cannot be bound (port in use, not an address of this machine).
+        """
         listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
         from anyio.abc import SocketAttribute
 
@@ -292,7 +309,7 @@ async def client_handshake(
 ) -> HandshakeResult:
     """Run the client side against one endpoint, retrying unreachable endpoints with backoff.
 
-    Raises :class:`HandshakeError` (or a subclass) naming the endpoint; refusals by the
+    Raises [`HandshakeError`][akv.errors.HandshakeError] (or a subclass) naming the endpoint; refusals by the
     server (incompatible, auth) are not retried.
     """
     last: Exception | None = None

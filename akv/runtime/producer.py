@@ -1,6 +1,6 @@
 """The prefill side: expose blocks, serve handshakes, count readers, release exactly once.
 
-A thin shell: the :class:`~akv.ledger.ReleaseLedger` decides what is released when; this
+A thin shell: the `ReleaseLedger` decides what is released when; this
 module feeds it NIXL notices and the clock and delivers its releases.
 """
 
@@ -10,10 +10,12 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import numpy.typing as npt
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -22,7 +24,7 @@ from akv.backends import mem_type
 from akv.errors import AkvError, ClosedError, ConfigError, HandshakeError, ProtocolError
 from akv.exposure import ExposureTable
 from akv.geometry.spec import KVSpec
-from akv.ledger import Release, ReleaseLedger, check_lease
+from akv.ledger import Release, ReleaseLedger, ReleaseReason, check_lease
 from akv.protocol.address import Endpoint, check_engine_id, parse_endpoint
 from akv.protocol.messages import Notice, RankInfo, Register, decode_notice
 from akv.runtime.control import ControlServer, register_rank
@@ -33,9 +35,9 @@ if TYPE_CHECKING:
 
     from akv.backends import Backend
 
-__all__ = ["Producer", "Release"]
+__all__ = ["EngineRelease", "EngineReleases", "Producer", "Release"]
 
-#: Releases kept for a :meth:`Producer.releases` reader that is not keeping up.
+#: Releases kept for a [`Producer.releases`][akv.Producer.releases] reader that is not keeping up.
 RELEASE_BUFFER = 4096
 #: Seconds between a rank's registrations with its engine's bootstrap.
 REGISTER_EVERY_S = 2.0
@@ -44,22 +46,27 @@ REGISTER_EVERY_S = 2.0
 class Producer(RankBase):
     """One prefill rank: registers its KV cache, serves handshakes and tracks exposed blocks.
 
-    Use as an async context manager. :meth:`expose` pins a request's blocks until every
-    decode rank that must read or learn of them has notified, or until the lease expires;
-    then the release is reported once *for this rank*, via ``on_release`` and
-    :meth:`releases`. An engine of P ranks gets P releases per request, one from each rank;
-    it may free a block once the rank holding it released it.
+    Use as an async context manager. [`expose`][akv.Producer.expose] pins a request's
+    blocks until every decode rank that must read or learn of them has notified, or until
+    the lease expires; then the release is reported exactly once *for this rank*, via
+    ``on_release`` and [`releases`][akv.Producer.releases]. An engine of P ranks gets P
+    releases per request, one from each rank: [`EngineReleases`][akv.EngineReleases] turns
+    them into one per request, once every rank released it.
 
     Args:
-        kv_caches: this rank's regions (see :meth:`KVSpec.region_shape`), CPU or CUDA tensors.
+        kv_caches: this rank's regions (see [`KVSpec.region_shape`][akv.KVSpec.region_shape]),
+            CPU or CUDA tensors.
         spec: the cache description (equal on every rank of the engine).
         tp_rank: this rank's index in ``[0, tp_size)``.
         tp_size: the engine's tensor-parallel size.
         engine_id: the engine's name, the same on every rank. Default: rank 0 takes a name
             unique to its process; a rank with ``bootstrap`` takes rank 0's.
-        on_release: called once per exposure when its blocks are free again.
+        on_release: called with a [`Release`][akv.Release] exactly once per exposure, when
+            its blocks are free again on this rank (read by every expected decode rank, lease
+            expired, or producer closed). Exceptions it raises are logged, not propagated.
         lease: seconds an exposure stays pinned without being read (heartbeats extend it).
-        server: share one :class:`ControlServer` among ranks of one process (default: own one).
+        server: a [`ControlServer`][akv.ControlServer] shared by the engine's ranks in this
+            process (default: the producer serves its own, for an engine of one rank).
         host: address the own control server binds (loopback by default).
         port: its port (0 picks a free one).
         secret: shared secret for the control plane (default ``$AKV_SECRET``).
@@ -72,7 +79,7 @@ class Producer(RankBase):
         etcd: etcd endpoint(s) (``"HOST:PORT"``, comma-separated or a list): register this
             rank under ``engine_id`` with a lease kept alive (needs an explicit ``engine_id``).
         etcd_ttl: seconds a dead or hung rank's etcd key outlives it.
-        max_exposed: sizes the exposure table (requests exposed at once, see :mod:`akv.exposure`).
+        max_exposed: requests exposed at once that the exposure table is sized for.
         backend: a transport backend to use instead of creating a NIXL agent.
         progress_thread: let UCX run its own progress thread.
         poll_max_s: longest sleep of the notification poller while requests are pending.
@@ -265,11 +272,18 @@ class Producer(RankBase):
     def expose(
         self, request_id: str, block_ids: Sequence[int] | npt.ArrayLike, *, lease: float | None = None
     ) -> None:
-        """Pin a request's blocks until read by every expected decode rank or ``lease`` seconds pass.
+        """Pin a request's blocks until read by every expected decode rank or the lease ends.
 
-        Raises :class:`BlockIdError` for bad or no block ids (a request with nothing to pull
-        needs no exposure), :class:`ConfigError` for a request id already exposed or a bad
-        lease, :class:`ClosedError` when not running.
+        Args:
+            request_id: the request's id, unique among this rank's exposed requests.
+            block_ids: the blocks holding its KV on this rank (at least one).
+            lease: seconds it stays pinned without being read (default: the producer's).
+
+        Raises:
+            BlockIdError: bad block ids, or none: a request with nothing to pull needs no
+                exposure (and gets no release).
+            ConfigError: the request id is already exposed, or the lease is not > 0.
+            ClosedError: the producer is not running.
         """
         if not self.running:
             raise ClosedError("the producer is not running")
@@ -277,7 +291,7 @@ class Producer(RankBase):
         self._backoff.wake()
 
     def extend(self, request_id: str, seconds: float | None = None) -> None:
-        """Push a request's lease deadline to ``now + seconds`` (default: its lease)."""
+        """Push the lease deadline of ``request_id`` to now + ``seconds`` (default: its lease)."""
         self.ledger.extend(request_id, time.monotonic(), seconds)
 
     @property
@@ -288,8 +302,9 @@ class Producer(RankBase):
     def releases(self, max_buffer: int = RELEASE_BUFFER) -> MemoryObjectReceiveStream[Release]:
         """A stream of this rank's releases from now on (iterate with ``async for``).
 
-        Holds up to ``max_buffer`` releases for a slow reader; past that the oldest is
-        dropped for that reader (``on_release`` never misses one). Close the stream when done.
+        Holds up to ``max_buffer`` releases for a slow reader; past that, further releases
+        are dropped for that reader and counted as ``releases_dropped`` (``on_release`` never
+        misses one). Close the stream when done.
         """
         send, receive = anyio.create_memory_object_stream[Release](max_buffer_size=max_buffer)
         if self.closed:
@@ -396,3 +411,93 @@ class Producer(RankBase):
             expired, until = self.ledger.expire(time.monotonic())
             self._deliver(expired)
             await backoff.wait(busy=bool(len(self.ledger)), limit=until)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRelease:
+    """A request released on every rank of a prefill engine (see [`EngineReleases`][akv.EngineReleases]).
+
+    Attributes:
+        request_id: the request.
+        ranks: each rank's [`Release`][akv.Release], indexed by TP rank.
+    """
+
+    request_id: str
+    ranks: tuple[Release, ...]
+
+    @property
+    def reason(self) -> ReleaseReason:
+        """``"read"`` if every rank released by read, else the first other reason in rank order."""
+        return next((r.reason for r in self.ranks if r.reason != "read"), "read")
+
+    @property
+    def block_ids(self) -> npt.NDArray[np.int32]:
+        """The blocks now free on every rank (sorted; ranks usually share one block table)."""
+        return np.unique(np.concatenate([r.block_ids for r in self.ranks])).astype(np.int32)
+
+
+class EngineReleases:
+    """The engine-level view of releases, for a scheduler that frees a request's blocks once.
+
+    A [`Producer`][akv.Producer] reports a release per rank: an engine of P ranks gets P
+    [`Release`][akv.Release] records per exposed request, one from each rank. This collects
+    them and reports an [`EngineRelease`][akv.EngineRelease] once, when the last of the
+    engine's ``tp_size`` ranks has released the request.
+
+    Ranks in this process: pass ``releases.rank(r)`` as rank ``r``'s ``on_release``. Ranks in
+    other processes: forward each rank's releases to this process and call
+    [`add`][akv.EngineReleases.add].
+
+    Args:
+        tp_size: the prefill engine's tensor-parallel size.
+        on_release: called once per request when every rank has released it.
+    """
+
+    def __init__(self, tp_size: int, on_release: Callable[[EngineRelease], None] | None = None) -> None:
+        if tp_size < 1:
+            raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
+        self.tp_size = tp_size
+        self.on_release = on_release
+        self._partial: dict[str, list[Release | None]] = {}
+
+    def rank(self, tp_rank: int) -> Callable[[Release], None]:
+        """An ``on_release`` callback for rank ``tp_rank``'s producer."""
+        self._check_rank(tp_rank)
+
+        def on_release(release: Release) -> None:
+            self.add(tp_rank, release)
+
+        return on_release
+
+    def add(self, tp_rank: int, release: Release) -> EngineRelease | None:
+        """Record the ``release`` of rank ``tp_rank``; returns the engine release (after
+        ``on_release``) once every rank released the request, else None.
+
+        Raises [`ConfigError`][akv.errors.ConfigError] for a rank outside ``[0, tp_size)``
+        or a rank releasing a request twice before every rank did (request ids must be unique
+        among an engine's exposures until they are released).
+        """
+        self._check_rank(tp_rank)
+        slots = self._partial.setdefault(release.request_id, [None] * self.tp_size)
+        if slots[tp_rank] is not None:
+            raise ConfigError(
+                f"rank {tp_rank} released {release.request_id!r} twice before every rank did: "
+                "reuse a request id only once the engine released it"
+            )
+        slots[tp_rank] = release
+        if any(r is None for r in slots):
+            return None
+        del self._partial[release.request_id]
+        done = EngineRelease(release.request_id, tuple(r for r in slots if r is not None))
+        if self.on_release is not None:
+            self.on_release(done)
+        return done
+
+    @property
+    def pending(self) -> int:
+        """Requests released by some ranks of the engine and not yet by all."""
+        return len(self._partial)
+
+    def _check_rank(self, tp_rank: int) -> None:
+        if not 0 <= tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {tp_rank} is outside [0, {self.tp_size})")

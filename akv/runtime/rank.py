@@ -34,8 +34,8 @@ __all__ = ["RankBase"]
 class RankBase:
     """Validation, agent and poller lifetime common to both sides (not public).
 
-    Subclasses implement :meth:`_enter` (start what they need on the exit stack) and
-    :meth:`_teardown` (synchronous, after the tasks stopped and before the agent closes, so
+    Subclasses implement `_enter` (start what they need on the exit stack) and
+    `_teardown` (synchronous, after the tasks stopped and before the agent closes, so
     cancellation cannot interrupt it). Leaving the context forwards the body's exception to
     the task group; whatever was entered is closed, in reverse order, even if a step fails.
     """

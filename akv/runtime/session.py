@@ -1,8 +1,8 @@
 """A decode rank's link to one prefill engine, and the awaitable pulls it launches.
 
-:class:`TransferSession` holds what the handshake produced (remote agents, the transfer
-plan, prepared descriptor lists) and posts reads; the :class:`~akv.runtime.consumer.Consumer`
-polls them. Each pull's progress is a pure :class:`~akv.tracker.TransferState`.
+[`TransferSession`][akv.TransferSession] holds what the handshake produced (remote agents, the transfer
+plan, prepared descriptor lists) and posts reads; the `Consumer`
+polls them. Each pull's progress is a pure `TransferState`.
 """
 
 from __future__ import annotations
@@ -55,10 +55,14 @@ __all__ = ["PullRequest", "Transfer", "TransferResult", "TransferSession"]
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
     """What to pull: the prefill engine's block ids of a request, and where they go locally.
 
-    With fewer local than remote blocks (a partial prefix hit), only the last remote blocks
-    are read, into the local blocks in order. ``remote_block_ids`` is always the request's
-    whole exposure, as the prefill engine announced it after ``expose()``: the pull checks,
-    after its reads, that the request is still exposed with exactly these blocks.
+    Attributes:
+        request_id: the request, as the prefill engine exposed it.
+        local_block_ids: this decode rank's blocks to fill. With fewer local than remote
+            blocks (a partial prefix hit), only the last remote blocks are read, into the
+            local blocks in order.
+        remote_block_ids: the request's whole exposure on the prefill engine, always, as it
+            announced it after ``expose()``: the pull checks, after its reads, that the
+            request is still exposed with exactly these blocks on each prefill rank it read.
     """
 
     request_id: str
@@ -67,7 +71,15 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TransferResult(msgspec.Struct, frozen=True):
-    """A completed pull: data bytes and descriptors moved, reads posted, wall time."""
+    """A completed pull.
+
+    Attributes:
+        request_id: the request.
+        bytes: data bytes moved into this rank's cache.
+        descriptors: descriptors submitted to NIXL.
+        reads: reads posted, one per prefill rank read from.
+        seconds: wall time from launch to completion.
+    """
 
     request_id: str
     bytes: int
@@ -79,8 +91,8 @@ class TransferResult(msgspec.Struct, frozen=True):
 class Transfer:
     """The awaitable completion of one pull.
 
-    ``await transfer`` returns a :class:`TransferResult` or raises a :class:`TransferError`
-    (an :class:`UnsafeReadError` if the blocks were not exposed for the request when the
+    ``await transfer`` returns a [`TransferResult`][akv.TransferResult] or raises a [`TransferError`][akv.errors.TransferError]
+    (an [`UnsafeReadError`][akv.errors.UnsafeReadError] if the blocks were not exposed for the request when the
     reads completed). Cancelling the awaiting task only stops the wait: the reads run to
     completion (or fail) under the consumer's poller, which releases every NIXL handle.
     """
@@ -122,7 +134,7 @@ class Transfer:
         return self._result is not None or self._error is not None
 
     def result(self) -> TransferResult:
-        """The result; raises the transfer's error, or :class:`TransferError` if not done yet."""
+        """The result; raises the transfer's error, or [`TransferError`][akv.errors.TransferError] if not done yet."""
         if self._error is not None:
             raise self._error
         if self._result is None:
@@ -186,8 +198,8 @@ class TransferSession:
     concurrently (each rank serves its own control endpoint), metadata loaded, descriptor
     lists prepared.
 
-    Created by :meth:`Consumer.connect` for an engine address (see
-    :func:`akv.protocol.address.parse_engine_address`). Losing one rank fails only the pulls
+    Created by [`Consumer.connect`][akv.Consumer.connect] for an engine address, not
+    directly. Losing one rank fails only the pulls
     that need it; the next pull that needs it re-handshakes with that rank alone (found
     again through the address: the bootstrap, or etcd), never reusing its old metadata.
     """
@@ -515,11 +527,19 @@ class TransferSession:
         *,
         transfer_timeout: float | None = None,
     ) -> Transfer:
-        """Launch the reads of one request and return its awaitable :class:`Transfer`.
+        """Launch the reads of one request and return its awaitable [`Transfer`][akv.Transfer].
 
-        Accepts a :class:`PullRequest` or ``(request_id, local_block_ids, remote_block_ids)``.
-        Raises :class:`BlockIdError` for bad block ids, :class:`HandshakeError` if a needed
-        re-handshake fails, :class:`TransferError` if the reads cannot be posted.
+        Args:
+            request: a [`PullRequest`][akv.PullRequest], or its ``request_id`` followed by
+                the two block id lists.
+            local_block_ids: with a request id: this rank's blocks to fill.
+            remote_block_ids: with a request id: the request's whole exposure.
+            transfer_timeout: seconds the pull may take (default: the consumer's).
+
+        Raises:
+            BlockIdError: bad block ids.
+            HandshakeError: a needed re-handshake failed.
+            TransferError: the reads could not be posted.
         """
         if isinstance(request, str):
             if local_block_ids is None or remote_block_ids is None:
@@ -607,7 +627,7 @@ class TransferSession:
             transfer.state.post(handle, rank)
 
     def verify(self, transfer: Transfer) -> AkvError | None:
-        """Check the buckets read by :meth:`post_checks`; None if every block was still exposed."""
+        """Check the buckets read by `post_checks`; None if every block was still exposed."""
         checks = self.consumer.checks
         for rank, slot in transfer.check_slots.items():
             error = exposure.verify(
@@ -636,7 +656,7 @@ class TransferSession:
         self.consumer.flush_notices()
 
     def extend(self, request_ids: Sequence[str]) -> None:
-        """Send "extend" notices for requests to every prefill rank this rank notifies."""
+        """Send "extend" notices for ``request_ids`` to every prefill rank this rank notifies."""
         if not request_ids or self.plan is None:
             return
         c = self.consumer
@@ -646,7 +666,7 @@ class TransferSession:
         )
 
     async def heartbeat(self, request_ids: Sequence[str]) -> None:
-        """Extend the prefill leases of requests this rank still intends to pull."""
+        """Extend the prefill leases of ``request_ids``, requests this rank still intends to pull."""
         self.extend(request_ids)
 
     async def aclose(self) -> None:
