@@ -177,7 +177,11 @@ def make_requests(spec: KVSpec, count: int, per_request: int, seed: int) -> list
 
 
 def load_requests(path: str) -> list[RequestInfo]:
-    """Requests from a JSON file (a list of RequestInfo objects); ConfigError if unreadable."""
+    """Requests from a JSON file (a list of RequestInfo objects); ConfigError if unreadable.
+
+    Args:
+        path: the JSON file (as written by `save_requests`).
+    """
     import msgspec
 
     try:
@@ -188,7 +192,12 @@ def load_requests(path: str) -> list[RequestInfo]:
 
 
 def save_requests(path: str, requests: Sequence[RequestInfo]) -> None:
-    """Write requests for :func:`load_requests`."""
+    """Write requests for `load_requests`.
+
+    Args:
+        path: the JSON file to write.
+        requests: the requests.
+    """
     import msgspec
 
     with open(path, "wb") as f:
@@ -330,7 +339,11 @@ class EtcdServer:
     """A single-node etcd on free loopback ports with its own data dir (tests, benchmarks).
 
     Short heartbeat and election settings make etcd's minimum lease TTL 1 s. The ports stay
-    the same across :meth:`stop` and :meth:`start`, so clients see the same endpoint come back.
+    the same across `stop` and `start`, so clients see the same endpoint come back.
+
+    Args:
+        data_dir: etcd's data directory.
+        binary: the etcd executable (default: `etcd_binary()`).
     """
 
     def __init__(self, data_dir: str, *, binary: str | None = None) -> None:
@@ -439,7 +452,16 @@ def spawn_registrant(
 ) -> subprocess.Popen[str]:
     """A process that keeps one rank registered in etcd (a stand-in for a prefill rank to kill).
 
-    Returns once the rank is registered; raises :class:`AkvError` if its first try failed.
+    Returns once the rank is registered; raises `AkvError` if its first try failed.
+
+    Args:
+        etcd: the etcd endpoint(s).
+        engine_id: the engine to register under.
+        tp_rank: the rank.
+        tp_size: the engine's TP size.
+        endpoint: the control endpoint to register.
+        ttl: the lease TTL in seconds.
+        backend: the anyio backend the process runs on.
     """
     import akv
 

@@ -26,6 +26,7 @@ from akv.protocol.address import (
 )
 from akv.runtime.discovery import EtcdRegistry, RankRecord
 from akv.testing import EtcdServer, etcd_binary, spawn_registrant
+from tests.conftest import stop
 
 TTL = 1.0  # etcd's minimum with the test server's election settings
 MARGIN = 1.5  # etcd checks expiry every 0.5 s; slack for a loaded 2-core CI machine
@@ -196,8 +197,7 @@ async def test_dead_rank_key_expires(etcd: EtcdServer, anyio_backend: str, sig: 
                 os.kill(proc.pid, signal.SIGCONT)
                 assert set(await reg.resolve(engine, need=[0], timeout=5)) == {0}
     finally:
-        proc.kill()
-        proc.wait(10)
+        stop(proc)
 
 
 async def test_resolve_waits_for_late_rank(etcd: EtcdServer, anyio_backend: str) -> None:
@@ -329,5 +329,4 @@ def test_engines_command(etcd: EtcdServer) -> None:
             }
         ]
     finally:
-        proc.kill()
-        proc.wait(10)
+        stop(proc)

@@ -199,9 +199,15 @@ async def test_notices_are_bound_to_the_agent_that_handshook() -> None:
 
 
 def test_default_engine_ids_are_unique_per_process() -> None:
-    """Two producers and two consumers without engine_id get distinct names."""
+    """Ranks of one process share a default engine id; another process gets another one."""
+    import subprocess
+    import sys
+
     spec = make_spec(kv_heads=4)
     kv = akv.allocate_kv_cache(spec, 0, 1)
-    ids = {akv.Producer(kv, spec, tp_rank=0, tp_size=1).engine_id for _ in range(2)}
-    ids |= {akv.Consumer(kv, spec, tp_rank=0, tp_size=1).engine_id for _ in range(2)}
-    assert len(ids) == 4
+    producers = {akv.Producer(kv, spec, tp_rank=0, tp_size=1).engine_id for _ in range(2)}
+    consumers = {akv.Consumer(kv, spec, tp_rank=0, tp_size=1).engine_id for _ in range(2)}
+    assert len(producers) == len(consumers) == 1 and producers != consumers
+    code = "from akv.runtime.rank import default_engine_id as d; print(d('decode'))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() not in consumers

@@ -156,10 +156,11 @@ async def test_release_streams_are_bounded_and_pruned() -> None:
             engine.fill(f"r{i}", [i], seed=i)
         await wait_for(lambda: len(engine.releases) == 5)
         assert producer.metrics.counters["releases_dropped"] == 3
-        got = [slow.receive_nowait().request_id for _ in range(2)]
-        assert got == ["r0", "r1"]
-        with pytest.raises(anyio.WouldBlock):
-            slow.receive_nowait()
+        with slow:
+            got = [slow.receive_nowait().request_id for _ in range(2)]
+            assert got == ["r0", "r1"]
+            with pytest.raises(anyio.WouldBlock):
+                slow.receive_nowait()
 
 
 def test_every_release_reason_has_a_counter() -> None:

@@ -129,10 +129,12 @@ def _endpoint_list(text: str, what: str, original: str) -> tuple[Endpoint, ...]:
 
 
 def parse_engine_address(value: str | EngineAddress | Endpoint | tuple[str, int]) -> EngineAddress:
-    """Parse any engine address form; :class:`ConfigError` saying what to write if malformed.
+    """Parse any engine address form; `ConfigError` saying what to write if malformed.
 
-    An :class:`Endpoint` or ``(host, port)`` tuple is a bootstrap address; a parsed address is
-    returned as it is.
+    ``value`` is ``"HOST:PORT"`` (the bootstrap: rank 0's control endpoint),
+    ``"HOST:PORT,HOST:PORT,..."`` (every rank's endpoint in rank order) or
+    ``"etcd://HOST:PORT[,HOST:PORT...]/ENGINE_ID"``. An `Endpoint` or ``(host, port)``
+    tuple is a bootstrap address; a parsed address is returned as it is.
     """
     if isinstance(value, (BootstrapAddress, RankListAddress, EtcdAddress)):
         return value

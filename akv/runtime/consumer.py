@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,7 @@ from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
-from akv.runtime.rank import RankBase
+from akv.runtime.rank import RankBase, default_engine_id
 from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
 from akv.tracker import Stage, TransferTracker
 
@@ -80,9 +79,9 @@ class Consumer(RankBase):
         tp_rank: this rank's index in ``[0, tp_size)``.
         tp_size: the decode engine's tensor-parallel size.
         engine_id: the decode engine's name, the same on every rank (prefill ranks count
-            readers per decode engine and rank). Default: a name unique to this process, right
-            for an engine whose ranks all live in it; give every rank of a multi-process
-            engine the same explicit name.
+            readers per decode engine and rank). Default: a name unique to this process (the
+            same for its ranks), right for an engine whose ranks all live in it; give every
+            rank of a multi-process engine the same explicit name.
         secret: shared secret for the control plane (default ``$AKV_SECRET``).
         connect_timeout: seconds to open a control connection.
         handshake_timeout: seconds for one handshake.
@@ -124,7 +123,7 @@ class Consumer(RankBase):
             spec,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            engine_id=check_engine_id(engine_id) if engine_id else f"decode-{uuid.uuid4().hex[:8]}",
+            engine_id=check_engine_id(engine_id) if engine_id else default_engine_id("decode"),
             backend=backend,
             progress_thread=progress_thread,
             spin_s=spin_s,
@@ -189,7 +188,8 @@ class Consumer(RankBase):
         return handle
 
     async def connect(self, endpoint: str | EngineAddress | Endpoint | tuple[str, int]) -> TransferSession:
-        """The session to the prefill engine at an address, handshaking once if needed.
+        """The session to the prefill engine at ``endpoint`` (an engine address), handshaking
+        once if needed.
 
         Address forms: ``"HOST:PORT"`` (the engine's bootstrap, rank 0's control endpoint; a
         TP-1 engine's own endpoint), ``"HOST:PORT,HOST:PORT,..."`` (every rank's endpoint in

@@ -80,6 +80,8 @@ class ControlServer:
         max_frame: bytes a client frame may have.
         directory: returns the requests to announce to clients that ask (demos and tests).
         metrics: where to count handshakes (default: a new [`Metrics`][akv.Metrics]).
+        advertise_host: the address other ranks and decode engines reach this server at
+            (default ``host``; give it when binding ``0.0.0.0`` or ``::``).
 
     Raises:
         ConfigError: a non-loopback ``host`` without a secret or ``allow_insecure``.

@@ -42,7 +42,17 @@ _TRANSIENT = frozenset({1, 4, 8, 13, 14})  # cancelled, deadline, exhausted, int
 
 
 class RankRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """What a decode rank needs to choose and reach a prefill rank: nothing secret."""
+    """What a decode rank needs to choose and reach a prefill rank: nothing secret.
+
+    Attributes:
+        engine_id: the prefill engine's name.
+        tp_rank: the rank.
+        tp_size: the engine's TP size.
+        host: the rank's control endpoint host.
+        port: its port.
+        v: the akv protocol version the rank speaks.
+        compat: the spec's compat hash (``KVSpec.compat_hash()``), empty if not given.
+    """
 
     engine_id: str
     tp_rank: int
@@ -51,7 +61,6 @@ class RankRecord(msgspec.Struct, frozen=True, kw_only=True):
     port: int
     v: int = PROTOCOL_VERSION
     compat: str = ""
-    """The spec's compat hash (``KVSpec.compat_hash()``), empty if not given."""
 
     @property
     def endpoint(self) -> Endpoint:
@@ -68,7 +77,8 @@ class RankRecord(msgspec.Struct, frozen=True, kw_only=True):
         *,
         compat: str = "",
     ) -> RankRecord:
-        """A validated record for rank ``tp_rank`` of ``tp_size`` serving ``endpoint``."""
+        """A validated record for rank ``tp_rank`` of ``tp_size`` of engine ``engine_id``
+        serving ``endpoint``, with the spec's ``compat`` hash."""
         check_engine_id(engine_id)
         if not 0 <= tp_rank < tp_size:
             raise ConfigError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
@@ -122,7 +132,8 @@ class EtcdRegistry:
     the one that last answered is tried first. ``ttl``: seconds a rank's key outlives its last
     keep-alive (whole seconds, at least etcd's minimum, 2 s with default election settings).
     Each request waits at most ``request_timeout`` seconds, and a call tries every endpoint up
-    to ``attempts`` times before raising :class:`EtcdUnavailableError`.
+    to ``attempts`` times before raising `EtcdUnavailableError`. Keys live under ``prefix``
+    (``{prefix}{engine_id}/ranks/{rank}``).
 
     Use it as an async context manager, or call :meth:`aclose` when done.
     """

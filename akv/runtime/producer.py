@@ -7,7 +7,6 @@ module feeds it NIXL notices and the clock and delivers its releases.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from akv.ledger import Release, ReleaseLedger, ReleaseReason, check_lease
 from akv.protocol.address import Endpoint, check_engine_id, parse_endpoint
 from akv.protocol.messages import Notice, RankInfo, Register, decode_notice
 from akv.runtime.control import ControlServer, register_rank
-from akv.runtime.rank import RankBase
+from akv.runtime.rank import RankBase, default_engine_id
 
 if TYPE_CHECKING:
     import torch
@@ -59,8 +58,9 @@ class Producer(RankBase):
         spec: the cache description (equal on every rank of the engine).
         tp_rank: this rank's index in ``[0, tp_size)``.
         tp_size: the engine's tensor-parallel size.
-        engine_id: the engine's name, the same on every rank. Default: rank 0 takes a name
-            unique to its process; a rank with ``bootstrap`` takes rank 0's.
+        engine_id: the engine's name, the same on every rank. Default: a name unique to this
+            process (so ranks in one process are one engine); a rank with ``bootstrap``
+            takes rank 0's.
         on_release: called with a [`Release`][akv.Release] exactly once per exposure, when
             its blocks are free again on this rank (read by every expected decode rank, lease
             expired, or producer closed). Exceptions it raises are logged, not propagated.
@@ -121,7 +121,7 @@ class Producer(RankBase):
             spec,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            engine_id=check_engine_id(engine_id) if engine_id else f"prefill-{uuid.uuid4().hex[:8]}",
+            engine_id=check_engine_id(engine_id) if engine_id else default_engine_id("prefill"),
             backend=backend,
             progress_thread=progress_thread,
             spin_s=spin_s,
@@ -166,6 +166,9 @@ class Producer(RankBase):
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         await anyio.to_thread.run_sync(self.backend.register_host, self.ledger.table.array)
+        hosted = next(iter(self.server.ranks.values()), None)
+        if hosted is not None and not self._named:
+            self.engine_id = hosted.engine_id  # ranks sharing a server are one engine
         self.server.add(self)
         stack.callback(self.server.remove, self)
         if self._own_server:
@@ -347,6 +350,7 @@ class Producer(RankBase):
             self.metrics.inc("releases_dropped")
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._streams.remove(stream)  # the reader went away: prune
+            stream.close()
 
     # -- polling ------------------------------------------------------------------------
 

@@ -28,7 +28,14 @@ if TYPE_CHECKING:
 
     from akv.backends import Backend
 
-__all__ = ["RankBase"]
+__all__ = ["RankBase", "default_engine_id"]
+
+_PROCESS_TAG = uuid.uuid4().hex[:8]
+
+
+def default_engine_id(role: str) -> str:
+    """An engine id unique to this process (the same for every rank it runs)."""
+    return f"{role}-{_PROCESS_TAG}"
 
 
 class RankBase:

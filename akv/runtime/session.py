@@ -219,6 +219,7 @@ class TransferSession:
         self.closed = False
         self.transfers: set[Transfer] = set()
         self._loading: anyio.Event | None = None
+        self._installing = anyio.Lock()  # one plan rebuild at a time
         self._registry: Any = None  # an EtcdRegistry for etcd:// addresses
 
     @property
@@ -377,7 +378,11 @@ class TransferSession:
 
     async def _install(self, ch: Challenge, infos: dict[int, RankInfo]) -> None:
         """Load the agents of ``infos`` (replacing older links of those ranks), rebuild the plan,
-        prepare what changed. NIXL calls run in a worker thread."""
+        prepare what changed. NIXL calls run in a worker thread; one install at a time."""
+        async with self._installing:
+            await self._install_locked(ch, infos)
+
+    async def _install_locked(self, ch: Challenge, infos: dict[int, RankInfo]) -> None:
         c = self.consumer
         if c.verify_exposure:
             missing = sorted(r for r, i in infos.items() if not i.exposure_buckets)
@@ -395,6 +400,9 @@ class TransferSession:
                 link.broken = True
         fresh = await anyio.to_thread.run_sync(self._link_blocking, infos)
         before = {r: self.links[r] for r in fresh if r in self.links}
+        installed = anyio.Event()
+        for link in fresh.values():
+            link.loading = installed  # pulls wait until its lists are prepared too
         self.links.update(fresh)
         try:
             memory = {
@@ -411,6 +419,10 @@ class TransferSession:
                 else:
                     del self.links[r]
             raise
+        finally:
+            for link in fresh.values():
+                link.loading = None
+            installed.set()
         self.remote_engine_id = ch.engine_id
         self.remote_spec = ch.spec
         self.prefill_tp = ch.tp_size
@@ -445,8 +457,9 @@ class TransferSession:
                 continue
             if key[0] == "local":
                 self.dlists[key] = c.local_dlist(key, table)
-            else:
-                link = self.links[int(key[1])]  # type: ignore[call-overload]
+                continue
+            link = self.links[int(key[1])]  # type: ignore[call-overload]
+            if not link.broken:  # a lost rank's lists are prepared when it is linked again
                 self.dlists[key] = c.backend.prep(link.agent, table, link.info.mem_type)
 
     def _drop(self, link: RankLink) -> None:
@@ -555,9 +568,8 @@ class TransferSession:
         plan = self.plan
         if plan is None:  # pragma: no cover - a handshake sets it or raises
             raise ClosedError("the session is closed")
-        lost = [r for r in plan.notify if self.links[r].broken or self.links[r].loading]
-        if lost:
-            await self.relink(lost)
+        while lost := [r for r in plan.notify if self.links[r].broken or self.links[r].loading]:
+            await self.relink(lost)  # other ranks may be re-linking meanwhile: look again after
             plan = self.plan
             if plan is None or self.closed:
                 raise ClosedError("the session is closed")
