@@ -269,12 +269,24 @@ def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subpro
 async def fetch_requests(
     endpoint: str, spec: KVSpec, secret: str | None, engine_id: str
 ) -> list[RequestInfo]:
-    """Ask the prefill engine at ``endpoint`` which requests it exposed (the demo's stand-in
-    for a router), as decode engine ``engine_id`` with the model ``spec`` and ``secret``."""
-    from akv.protocol.address import parse_endpoint
+    """Ask the prefill engine at ``endpoint`` (any engine address: its rank 0 answers) which
+    requests it exposed (the demo's stand-in for a router), as decode engine ``engine_id``
+    with the model ``spec`` and ``secret``."""
+    from akv.protocol.address import BootstrapAddress, EtcdAddress, parse_engine_address
     from akv.protocol.handshake import resolve_secret
     from akv.protocol.messages import Hello
     from akv.runtime.control import client_handshake
+
+    address = parse_engine_address(endpoint)
+    if isinstance(address, BootstrapAddress):
+        rank0 = address.endpoint
+    elif isinstance(address, EtcdAddress):
+        from akv.runtime.discovery import EtcdRegistry
+
+        async with EtcdRegistry(address.etcd) as registry:
+            rank0 = (await registry.resolve(address.engine_id, need=[0]))[0].endpoint
+    else:
+        rank0 = address.endpoints[0]
 
     hello = Hello(
         engine_id=engine_id,
@@ -285,7 +297,7 @@ async def fetch_requests(
         nonce=secrets.token_bytes(16),
     )
     result = await client_handshake(
-        parse_endpoint(endpoint),
+        rank0,
         hello,
         secret=resolve_secret(secret),
         choose_ranks=lambda ch: [],

@@ -1,38 +1,57 @@
-"""``akv decode``: decode ranks pulling and verifying every announced request."""
+"""``akv decode``: decode ranks pulling and verifying every announced request, one process
+per rank (``--tp-rank R`` runs one; without it the command starts one process per rank)."""
 
 from __future__ import annotations
 
 import argparse
 import time
-import uuid
 from collections.abc import Callable
-from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
 import numpy as np
 
-from akv.cli.args import EXIT_FAILED, EXIT_OK, check, check_model, check_seconds, emit, report, spec_from_args
+from akv.cli.args import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    check,
+    check_model,
+    check_seconds,
+    emit,
+    report,
+    spec_from_args,
+)
+from akv.cli.fanout import ChildFailed, RankProcess, child_argv, rank_processes
 from akv.errors import AkvError, ConfigError
-from akv.protocol.address import parse_endpoint
+from akv.protocol.address import check_engine_id, parse_engine_address
+from akv.runtime.rank import default_engine_id
 from akv.testing import fetch_requests, verify_request
 
-__all__ = ["BlockAllocator", "cmd_decode", "run_decode", "validate"]
+__all__ = ["BlockAllocator", "cmd_decode", "run_decode", "run_decode_engine", "validate"]
 
 
 def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv decode``, before connecting ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
     try:
-        parse_endpoint(a.connect)
-    except ConfigError:
+        parse_engine_address(a.connect)
+    except ConfigError as exc:
         raise ConfigError(
-            f"--connect {a.connect!r} is not HOST:PORT: pass the endpoint of the prefill engine's "
-            "ready line (for example 127.0.0.1:5555)"
+            f"--connect: {exc} (the endpoint of the prefill engine's ready line is its bootstrap)"
         ) from None
     check_model(a, "--tp-size")
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
     check_seconds(a.transfer_timeout, "--transfer-timeout")
     check(a.engine_id is None or bool(a.engine_id), "--engine-id must not be empty")
+    if a.engine_id is not None:
+        check_engine_id(a.engine_id)
+    if a.tp_rank is not None:
+        check(0 <= a.tp_rank < a.tp_size, f"--tp-rank {a.tp_rank} is outside [0, --tp-size {a.tp_size})")
+        check(
+            a.tp_size == 1 or a.engine_id is not None,
+            "--tp-rank needs --engine-id when --tp-size > 1: give every rank of this decode engine the "
+            "same name (prefill counts readers per engine)",
+        )
 
 
 class BlockAllocator:
@@ -57,11 +76,13 @@ class BlockAllocator:
 async def run_decode(
     a: argparse.Namespace, progress: Callable[[int, int], None] | None = None
 ) -> dict[str, Any]:
+    """Run one decode rank (``--tp-rank``) in this process; returns its JSON summary."""
     from akv.geometry.tensors import allocate_kv_cache
     from akv.runtime.consumer import Consumer, PullRequest
 
     spec = spec_from_args(a)
-    engine_id = a.engine_id or f"decode-{uuid.uuid4().hex[:8]}"
+    rank, size = a.tp_rank, a.tp_size
+    engine_id = a.engine_id or default_engine_id("decode")
     requests = await fetch_requests(a.connect, spec, a.secret, engine_id)
     largest = max((len(r.block_ids) for r in requests), default=0)
     check(
@@ -69,26 +90,22 @@ async def run_decode(
         f"the prefill engine announces requests of {largest} blocks, more than --blocks {spec.num_blocks}: "
         f"raise --blocks to at least {largest}",
     )
-    stats = {"verified": 0, "failed": 0, "bytes": 0}
+    stats = {"verified": 0, "bytes": 0}
+    failed: list[str] = []
     errors: list[str] = []
     started = time.monotonic()
-    async with AsyncExitStack() as stack:
-        caches = [allocate_kv_cache(spec, d, a.tp_size) for d in range(a.tp_size)]
-        consumers = [
-            await stack.enter_async_context(
-                Consumer(
-                    caches[d],
-                    spec,
-                    tp_rank=d,
-                    tp_size=a.tp_size,
-                    engine_id=engine_id,
-                    secret=a.secret,
-                    transfer_timeout=a.transfer_timeout,
-                )
-            )
-            for d in range(a.tp_size)
-        ]
-        sessions = [await c.connect(a.connect) for c in consumers]
+    cache = allocate_kv_cache(spec, rank, size)
+    consumer = Consumer(
+        cache,
+        spec,
+        tp_rank=rank,
+        tp_size=size,
+        engine_id=engine_id,
+        secret=a.secret,
+        transfer_timeout=a.transfer_timeout,
+    )
+    async with consumer:
+        session = await consumer.connect(a.connect)
         allocator = BlockAllocator(spec.num_blocks, seed=a.seed)
         limiter = anyio.CapacityLimiter(max(1, a.concurrency))
         done = 0
@@ -103,27 +120,20 @@ async def run_decode(
                     pr = PullRequest(
                         request_id=req.request_id, local_block_ids=local, remote_block_ids=req.block_ids
                     )
-                    transfers = [await s.pull(pr) for s in sessions]
-                    ok = True
-                    for d, t in enumerate(transfers):
-                        try:
-                            res = await t
-                            stats["bytes"] += res.bytes
-                        except AkvError as exc:
-                            ok = False
-                            errors.append(f"{req.request_id} rank {d}: {exc}")
-                            continue
-                        ok &= verify_request(
-                            caches[d], spec, d, a.tp_size, local, req.seed, np.arange(hit, n)
-                        )
-                    if not ok and not errors:
-                        errors.append(f"{req.request_id}: data mismatch")
+                    res = await (await session.pull(pr))
+                    stats["bytes"] += res.bytes
+                    ok = verify_request(cache, spec, rank, size, local, req.seed, np.arange(hit, n))
+                    if not ok:
+                        errors.append(f"{req.request_id} rank {rank}: data mismatch")
                 except AkvError as exc:
                     ok = False
-                    errors.append(f"{req.request_id}: {exc}")
+                    errors.append(f"{req.request_id} rank {rank}: {type(exc).__name__}: {exc}")
                 finally:
                     allocator.release(local)
-            stats["verified" if ok else "failed"] += 1
+            if ok:
+                stats["verified"] += 1
+            else:
+                failed.append(req.request_id)
             done += 1
             if progress:
                 progress(done, len(requests))
@@ -135,15 +145,63 @@ async def run_decode(
     return {
         "event": "summary",
         "role": "decode",
+        "tp_rank": rank,
         "requests": len(requests),
         "verified": stats["verified"],
-        "failed": stats["failed"],
+        "failed": len(failed),
         "bytes": stats["bytes"],
         "seconds": round(seconds, 3),
         "gbps": round(stats["bytes"] / seconds / 1e9, 3) if seconds > 0 else 0.0,
-        "tp_size": a.tp_size,
+        "tp_size": size,
         "errors": errors[:10],
+        "failed_ids": sorted(failed),
     }
+
+
+async def run_decode_engine(
+    a: argparse.Namespace, progress: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
+    """Run every rank of the decode engine as its own process (one shared engine id); returns
+    the engine's summary, aggregated from the ranks' (today's fields)."""
+    engine_id = a.engine_id or default_engine_id("decode")
+    done: dict[int, int] = {}
+
+    def on_line(rp: RankProcess, msg: dict[str, Any]) -> None:
+        if msg.get("event") == "progress" and progress is not None:
+            done[rp.rank] = int(msg["done"])
+            if len(done) == a.tp_size:
+                progress(min(done.values()), int(msg["total"]))
+
+    async with rank_processes(on_line) as ranks:
+        for d in range(a.tp_size):
+            await ranks.start(d, child_argv(a.argv, "--tp-rank", str(d), "--engine-id", engine_id))
+        await ranks.wait()
+    summaries = [rp.summary or {} for rp in ranks.procs]
+    codes = [rp.code for rp in ranks.procs]
+    if any(code == EXIT_USAGE for code in codes):
+        raise ChildFailed(EXIT_USAGE)  # a rank said what to change, on stderr
+    requests = max((s.get("requests", 0) for s in summaries), default=0)
+    failed = set().union(*(set(s.get("failed_ids", [])) for s in summaries))
+    complete = all(s.get("requests") == requests for s in summaries)
+    seconds = max((s.get("seconds", 0.0) for s in summaries), default=0.0)
+    moved = sum(s.get("bytes", 0) for s in summaries)
+    summary: dict[str, Any] = {
+        "event": "summary",
+        "role": "decode",
+        "requests": requests,
+        "verified": requests - len(failed) if complete else 0,
+        "failed": len(failed) if complete else requests,
+        "bytes": moved,
+        "seconds": seconds,
+        "gbps": round(moved / seconds / 1e9, 3) if seconds > 0 else 0.0,
+        "tp_size": a.tp_size,
+        "errors": [e for s in summaries for e in s.get("errors", [])][:10],
+        "exit_codes": codes,
+    }
+    errs = [s["error"] for s in summaries if "error" in s]
+    if errs:
+        summary["error"] = errs[0]
+    return summary
 
 
 def cmd_decode(a: argparse.Namespace) -> int:
@@ -153,7 +211,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
 
     validate(a)
     try:
-        summary = anyio.run(run_decode, a, progress)
+        summary = anyio.run(run_decode if a.tp_rank is not None else run_decode_engine, a, progress)
     except ConfigError:
         raise  # exit 64, one line (akv.cli.main)
     except AkvError as exc:

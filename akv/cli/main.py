@@ -20,6 +20,7 @@ from akv.cli.args import EXIT_FAILED, EXIT_USAGE, add_common, add_model_flags, f
 from akv.cli.decode import cmd_decode
 from akv.cli.demo import cmd_demo
 from akv.cli.engines import add_engines_parser
+from akv.cli.fanout import ChildFailed
 from akv.cli.plan import cmd_plan
 from akv.cli.prefill import cmd_prefill
 from akv.errors import AkvError
@@ -61,11 +62,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "prefill",
-        help="run P prefill ranks that expose deterministic requests",
-        description="Run the P ranks of a prefill engine in this process (one NIXL agent each, one "
-        "control server), expose deterministic requests and report how each was released.",
+        help="run prefill ranks that expose deterministic requests (one process per rank)",
+        description="Run prefill rank --tp-rank R in this process (its own NIXL agent and control "
+        "endpoint), or, without --tp-rank, all P ranks as processes of their own: rank 0 is the "
+        "engine's bootstrap, the others register with it. Expose deterministic requests and "
+        "report how each was released.",
     )
     p.add_argument("--tp-size", type=int, required=True, metavar="P", help="TP size of this prefill engine")
+    p.add_argument(
+        "--tp-rank",
+        type=int,
+        metavar="R",
+        help="run only this rank, in this process (default: start one process per rank)",
+    )
+    p.add_argument(
+        "--bootstrap",
+        metavar="HOST:PORT",
+        help="rank 0's control endpoint, for --tp-rank > 0: register there so the engine is found "
+        "through one address",
+    )
+    p.add_argument(
+        "--etcd",
+        metavar="HOST:PORT",
+        help="also register each rank in etcd under --engine-id (several endpoints: comma-separated)",
+    )
+    p.add_argument(
+        "--etcd-ttl",
+        type=float,
+        default=5.0,
+        help="seconds a dead rank's etcd key outlives it (default: %(default)s)",
+    )
     add_model_flags(p, sized=True)
     p.add_argument("--requests", type=int, default=16, help="requests to expose (default: %(default)s)")
     p.add_argument(
@@ -74,7 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host", default="127.0.0.1", help="address the control server binds (default: %(default)s)"
     )
-    p.add_argument("--port", type=int, default=0, help="port of the control server (default: 0, a free port)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="port of the control server (default: 0, a free port; ranks started for you by "
+        "rank 0's process always take a free port)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        metavar="H",
+        help="the address other ranks and decode engines reach this one at (default: --host; "
+        "give it when --host is 0.0.0.0)",
+    )
     p.add_argument(
         "--lease",
         type=float,
@@ -92,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the requests' ids, blocks and contents (default: %(default)s)",
     )
     p.add_argument("--hold", action="store_true", help="keep serving after every request is released")
+    p.add_argument("--until-terminated", action="store_true", help=argparse.SUPPRESS)  # set for rank processes
     p.add_argument("--no-fill", action="store_true", help="leave the cache zeroed (benchmarks)")
     p.add_argument(
         "--requests-file",
@@ -116,10 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--connect",
         required=True,
-        metavar="HOST:PORT",
-        help="the prefill engine's control endpoint (the endpoint of its ready line)",
+        metavar="ENGINE",
+        help="the prefill engine: HOST:PORT (its bootstrap, the endpoint of its ready line), "
+        "HOST:PORT,HOST:PORT,... (every rank, in rank order) or etcd://HOST:PORT/ENGINE_ID",
     )
     p.add_argument("--tp-size", type=int, required=True, metavar="D", help="TP size of this decode engine")
+    p.add_argument(
+        "--tp-rank",
+        type=int,
+        metavar="R",
+        help="run only this rank, in this process (default: start one process per rank); needs "
+        "--engine-id when --tp-size > 1",
+    )
     add_model_flags(p)
     p.add_argument(
         "--concurrency", type=int, default=8, help="requests in flight at once (default: %(default)s)"
@@ -130,7 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds one pull may take before it fails (default: %(default)s)",
     )
-    p.add_argument("--engine-id", default=None, help="name of this engine (default: decode-<random>)")
+    p.add_argument(
+        "--engine-id",
+        default=None,
+        help="name of this engine, the same on each rank (default: decode-<random>)",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the local block choice (default: %(default)s)"
     )
@@ -197,12 +248,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(argv)
     verbose = getattr(a, "verbose", 0)
     configure_cli_logging(logging.WARNING - 10 * min(verbose, 2))
+    a.argv = list(sys.argv[1:] if argv is None else argv)  # what rank processes are started with
     try:
         code: int = a.func(a)
     except BaseException as exc:
         # Task groups wrap errors in (nested) exception groups: report the leaf, in one line.
         if first_leaf(exc, KeyboardInterrupt) is not None:
             return 130
+        child = first_leaf(exc, ChildFailed)
+        if isinstance(child, ChildFailed):
+            return child.code
         usage = usage_error(exc)
         if usage is not None:
             print(f"akv {a.command}: {_describe(usage)}", file=sys.stderr)

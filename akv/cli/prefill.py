@@ -1,13 +1,17 @@
-"""``akv prefill``: prefill ranks exposing deterministic requests."""
+"""``akv prefill``: prefill ranks exposing deterministic requests, one process per rank.
+
+With ``--tp-rank R`` this process runs rank R (its own control endpoint; ranks > 0 register
+with rank 0 through ``--bootstrap``); without it, the command starts one such process per
+rank and aggregates their summaries."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
-from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -25,12 +29,15 @@ from akv.cli.args import (
     size_pool,
     spec_from_args,
 )
+from akv.cli.fanout import ChildFailed, RankProcess, child_argv, rank_processes
 from akv.errors import ConfigError
-from akv.protocol.address import is_loopback
+from akv.geometry.spec import KVSpec
+from akv.protocol.address import check_engine_id, is_loopback, parse_endpoint, parse_engine_address
 from akv.protocol.handshake import SECRET_ENV, resolve_secret
+from akv.protocol.messages import RequestInfo
 from akv.testing import fill_request, load_requests, make_requests
 
-__all__ = ["cmd_prefill", "run_prefill", "validate"]
+__all__ = ["cmd_prefill", "run_prefill", "run_prefill_engine", "validate"]
 
 
 def validate(a: argparse.Namespace) -> None:
@@ -40,33 +47,85 @@ def validate(a: argparse.Namespace) -> None:
     check_port(a.port)
     check_seconds(a.lease, "--lease")
     check_seconds(a.timeout, "--timeout", zero_ok=True)
+    check_seconds(a.etcd_ttl, "--etcd-ttl")
     check(bool(a.engine_id), "--engine-id must not be empty")
+    check_engine_id(a.engine_id)
     check(
         is_loopback(a.host) or a.allow_insecure or resolve_secret(a.secret) is not None,
         f"refusing to serve KV metadata on non-loopback --host {a.host} without a secret: "
         f"set {SECRET_ENV} or --secret, or pass --allow-insecure on a trusted network",
     )
+    if a.tp_rank is not None:
+        check(
+            0 <= a.tp_rank < a.tp_size,
+            f"--tp-rank {a.tp_rank} is outside [0, --tp-size {a.tp_size})",
+        )
+        check(
+            a.tp_rank == 0 or a.bootstrap is not None or a.etcd is not None,
+            f"--tp-rank {a.tp_rank} needs --bootstrap HOST:PORT (rank 0's endpoint) or --etcd HOST:PORT",
+        )
+    check(
+        a.bootstrap is None or a.tp_rank not in (None, 0),
+        "--bootstrap is for ranks > 0 started with --tp-rank: rank 0 is the bootstrap",
+    )
+    if a.bootstrap is not None:
+        try:
+            parse_endpoint(a.bootstrap)
+        except ConfigError:
+            raise ConfigError(f"--bootstrap {a.bootstrap!r} is not HOST:PORT (rank 0's endpoint)") from None
+    if a.etcd is not None:
+        try:
+            parse_engine_address(f"etcd://{a.etcd}/{a.engine_id}")
+        except ConfigError:
+            raise ConfigError(f"--etcd {a.etcd!r} is not HOST:PORT[,HOST:PORT...]") from None
+
+
+def _requests(a: argparse.Namespace, spec: KVSpec) -> list[RequestInfo]:
+    if a.requests_file:
+        return load_requests(a.requests_file)
+    return make_requests(spec, a.requests, a.blocks_per_request, a.seed)
 
 
 async def run_prefill(
     a: argparse.Namespace, on_ready: Callable[[dict[str, Any]], None] = emit
 ) -> dict[str, Any]:
+    """Run one prefill rank (``--tp-rank``) in this process; returns its JSON summary."""
     from akv.geometry.tensors import allocate_kv_cache
     from akv.runtime.control import ControlServer
     from akv.runtime.producer import Producer, Release
 
     spec = spec_from_args(a)
-    if a.requests_file:
-        requests = load_requests(a.requests_file)
-    else:
-        requests = make_requests(spec, a.requests, a.blocks_per_request, a.seed)
-    per_request: dict[str, list[str]] = {r.request_id: [] for r in requests}
+    requests = _requests(a, spec)
+    rank, size = a.tp_rank, a.tp_size
+    reasons: dict[str, list[str]] = {r.request_id: [] for r in requests}
 
     def on_release(rel: Release) -> None:
-        per_request[rel.request_id].append(rel.reason)
+        reasons[rel.request_id].append(rel.reason)
 
     server = ControlServer(
-        host=a.host, port=a.port, secret=a.secret, allow_insecure=a.allow_insecure, directory=lambda: requests
+        host=a.host,
+        port=a.port,
+        secret=a.secret,
+        allow_insecure=a.allow_insecure,
+        directory=lambda: requests,
+        advertise_host=a.advertise_host,
+    )
+    kv = allocate_kv_cache(spec, rank, size)
+    for req in requests if not a.no_fill else ():
+        fill_request(kv, spec, rank, size, req.block_ids, req.seed)
+    producer = Producer(
+        kv,
+        spec,
+        tp_rank=rank,
+        tp_size=size,
+        engine_id=a.engine_id,
+        server=server,
+        lease=a.lease,
+        on_release=on_release,
+        bootstrap=a.bootstrap,
+        etcd=a.etcd,
+        etcd_ttl=a.etcd_ttl,
+        max_exposed=max(16384, 2 * len(requests)),
     )
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
@@ -77,75 +136,126 @@ async def run_prefill(
                 f"cannot listen on --host {a.host} --port {a.port}: {exc.strerror or exc}: "
                 "choose a free --port (0 picks one) and an address of this machine"
             ) from None
-        async with AsyncExitStack() as stack:
-            producers = []
-            for rank in range(a.tp_size):
-                kv = allocate_kv_cache(spec, rank, a.tp_size)
-                for req in requests if not a.no_fill else ():
-                    fill_request(kv, spec, rank, a.tp_size, req.block_ids, req.seed)
-                producers.append(
-                    await stack.enter_async_context(
-                        Producer(
-                            kv,
-                            spec,
-                            tp_rank=rank,
-                            tp_size=a.tp_size,
-                            engine_id=a.engine_id,
-                            server=server,
-                            lease=a.lease,
-                            on_release=on_release,
-                        )
-                    )
-                )
-            for prod in producers:
-                for req in requests:
-                    prod.expose(req.request_id, req.block_ids)
-            on_ready(
-                {
-                    "event": "ready",
-                    "endpoint": str(endpoint),
-                    "tp_size": a.tp_size,
-                    "requests": len(requests),
-                    "pid": os.getpid(),
-                }
-            )
-            with anyio.move_on_after(a.timeout if a.timeout > 0 else math.inf):
-                for prod in producers:
-                    await prod.wait_released()
-                if a.hold:  # keep serving (benchmarks) until terminated or timed out
+        async with producer:
+            for req in requests:
+                producer.expose(req.request_id, req.block_ids)
+            ready = {
+                "event": "ready",
+                "endpoint": str(endpoint),
+                "tp_rank": rank,
+                "tp_size": size,
+                "requests": len(requests),
+                "pid": os.getpid(),
+            }
+            if rank == 0:
+                ready["engine"] = f"etcd://{a.etcd}/{a.engine_id}" if a.etcd else str(endpoint)
+            on_ready(ready)
+            with anyio.move_on_after(a.timeout if a.timeout > 0 else math.inf) as serving:
+                tg.start_soon(_cancel_on_signal, serving)
+                await producer.wait_released()
+                if a.hold or a.until_terminated:
+                    # Keep serving: benchmarks (--hold), or rank 0 of an engine whose other ranks
+                    # still need the bootstrap (the parent stops every rank once all released).
+                    on_ready({"event": "released", "tp_rank": rank})
                     await anyio.sleep_forever()
-            counters: dict[str, int] = {}
-            for prod in producers:
-                for k, v in prod.metrics.snapshot().counters.items():
-                    counters[k] = counters.get(k, 0) + v
+            counters = producer.metrics.snapshot().counters
         tg.cancel_scope.cancel()
-    reasons = list(per_request.values())
-    released = sum(1 for r in reasons if len(r) == a.tp_size and all(x == "read" for x in r))
-    expired = sum(1 for r in reasons if "expired" in r)
+    outcome = list(reasons.values())
     return {
         "event": "summary",
         "role": "prefill",
+        "tp_rank": rank,
         "requests": len(requests),
-        "released": released,
-        "expired": expired,
-        "unreleased": sum(1 for r in reasons if len(r) < a.tp_size),
-        "duplicate_releases": sum(1 for r in reasons if len(r) > a.tp_size),
-        "tp_size": a.tp_size,
+        "released": sum(1 for r in outcome if r == ["read"]),
+        "expired": sum(1 for r in outcome if "expired" in r),
+        "unreleased": sum(1 for r in outcome if not r),
+        "duplicate_releases": sum(1 for r in outcome if len(r) > 1),
+        "tp_size": size,
         "seconds": round(time.monotonic() - started, 3),
         "notifications_unknown": counters.get("notifications_unknown", 0),
         "notifications_invalid": counters.get("notifications_invalid", 0),
         "auth_failures": counters.get("auth_failures", 0),
+        "released_ids": sorted(rid for rid, r in reasons.items() if r == ["read"]),
+        "expired_ids": sorted(rid for rid, r in reasons.items() if "expired" in r),
+        "unreleased_ids": sorted(rid for rid, r in reasons.items() if not r),
+    }
+
+
+async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
+    """SIGTERM or SIGINT ends serving (the summary is still printed)."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+        async for _ in received:
+            scope.cancel()
+            return
+
+
+async def run_prefill_engine(
+    a: argparse.Namespace, on_ready: Callable[[dict[str, Any]], None] = emit
+) -> dict[str, Any]:
+    """Run every rank of the engine as its own process (rank 0 first: it is the bootstrap);
+    returns the engine's summary, aggregated from the ranks' (today's fields)."""
+    argv = [*a.argv, "--until-terminated"]
+    released_ranks: set[int] = set()
+
+    def on_line(rp: RankProcess, msg: dict[str, Any]) -> None:
+        if msg.get("event") == "released":
+            released_ranks.add(rp.rank)
+            if len(released_ranks) == a.tp_size and not a.hold:
+                ranks.terminate()  # every rank released everything: stop them all (they print summaries)
+
+    async with rank_processes(on_line) as ranks:
+        first = await ranks.start(0, child_argv(argv, "--tp-rank", "0"))
+        if first.ready is None:
+            raise ChildFailed(first.code or EXIT_FAILED)  # the child said why, on stderr
+        boot = first.ready["endpoint"]
+        for r in range(1, a.tp_size):
+            rp = await ranks.start(
+                r, child_argv(argv, "--tp-rank", str(r), "--bootstrap", boot, "--port", "0")
+            )
+            if rp.ready is None:
+                raise ChildFailed(rp.code or EXIT_FAILED)
+        on_ready(
+            {
+                "event": "ready",
+                "endpoint": first.ready.get("engine", boot),
+                "engine": first.ready.get("engine", boot),
+                "endpoints": [rp.ready["endpoint"] for rp in ranks.procs if rp.ready],
+                "tp_size": a.tp_size,
+                "requests": first.ready["requests"],
+                "pid": os.getpid(),
+            }
+        )
+        await ranks.wait()
+    summaries = [rp.summary or {} for rp in ranks.procs]
+    ids: set[str] = {r.request_id for r in _requests(a, spec_from_args(a))}
+    released = ids.intersection(*(set(s.get("released_ids", [])) for s in summaries))
+    expired: set[str] = set().union(*(set(s.get("expired_ids", [])) for s in summaries))
+    unreleased: set[str] = set().union(*(set(s.get("unreleased_ids", ids)) for s in summaries))
+    return {
+        "event": "summary",
+        "role": "prefill",
+        "requests": len(ids),
+        "released": len(released),
+        "expired": len(expired),
+        "unreleased": len(unreleased),
+        "duplicate_releases": sum(s.get("duplicate_releases", 0) for s in summaries),
+        "tp_size": a.tp_size,
+        "seconds": max((s.get("seconds", 0.0) for s in summaries), default=0.0),
+        "notifications_unknown": sum(s.get("notifications_unknown", 0) for s in summaries),
+        "notifications_invalid": sum(s.get("notifications_invalid", 0) for s in summaries),
+        "auth_failures": sum(s.get("auth_failures", 0) for s in summaries),
+        "exit_codes": [rp.code for rp in ranks.procs],
     }
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
     validate(a)
-    summary = anyio.run(run_prefill, a)
+    summary = anyio.run(run_prefill if a.tp_rank is not None else run_prefill_engine, a)
     report(
         a,
         summary,
-        f"prefill: {summary['released']}/{summary['requests']} requests released by read, "
-        f"{summary['expired']} expired",
+        f"prefill{'' if a.tp_rank is None else f' rank {a.tp_rank}'}: {summary['released']}/"
+        f"{summary['requests']} requests released by read, {summary['expired']} expired",
     )
     if summary["released"] == summary["requests"]:
         return EXIT_OK

@@ -1,0 +1,129 @@
+"""One process per rank: start a command's ranks as child processes and gather their JSON lines.
+
+``akv prefill`` and ``akv decode`` without ``--tp-rank`` run their ranks this way (the
+deployment shape: one process per GPU); each child is the same command with ``--tp-rank R``.
+The parent forwards SIGTERM/SIGINT to its children and never leaves one behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import Process
+
+from akv.testing import ajson_lines
+
+__all__ = ["ChildFailed", "RankProcess", "child_argv", "rank_processes"]
+
+
+class ChildFailed(Exception):
+    """A rank's process exited before it was ready; it said why on stderr. ``akv`` exits with
+    the child's code and prints nothing more."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"a rank exited with {code}")
+        self.code = code
+
+
+@dataclass
+class RankProcess:
+    """One rank's child process and what it printed."""
+
+    rank: int
+    proc: Process
+    ready: dict[str, Any] | None = None
+    summary: dict[str, Any] | None = None
+    started: anyio.Event = field(default_factory=anyio.Event)
+    exited: anyio.Event = field(default_factory=anyio.Event)
+    code: int | None = None
+
+
+def child_argv(argv: Sequence[str], *extra: str) -> list[str]:
+    """``python -m akv ARGV EXTRA --json`` (later flags override earlier ones)."""
+    return [sys.executable, "-m", "akv", *argv, *extra, "--json"]
+
+
+async def _watch(rp: RankProcess, on_line: Callable[[RankProcess, dict[str, Any]], None]) -> None:
+    try:
+        async for msg in ajson_lines(rp.proc.stdout):
+            event = msg.get("event")
+            if event == "ready":
+                rp.ready = msg
+                rp.started.set()
+            elif event == "summary":
+                rp.summary = msg
+            on_line(rp, msg)
+    finally:
+        with anyio.CancelScope(shield=True):
+            rp.code = await rp.proc.wait()
+        rp.started.set()  # ready or not: nobody waits for a dead process
+        rp.exited.set()
+
+
+async def _stop(procs: Sequence[RankProcess]) -> None:
+    with anyio.CancelScope(shield=True):
+        for rp in procs:
+            if rp.proc.returncode is None:
+                rp.proc.terminate()
+        with anyio.move_on_after(10):
+            for rp in procs:
+                await rp.proc.wait()
+        for rp in procs:
+            if rp.proc.returncode is None:
+                rp.proc.kill()
+                await rp.proc.wait()
+
+
+class rank_processes:
+    """Start child commands (one per rank), watch their JSON lines; on exit stop any still running.
+
+    ``start(rank, argv)`` starts one and returns once it printed its ready line (or died).
+    ``wait()`` returns once every child exited. SIGTERM/SIGINT to this process stop them all.
+    """
+
+    def __init__(self, on_line: Callable[[RankProcess, dict[str, Any]], None] = lambda rp, msg: None) -> None:
+        self.on_line = on_line
+        self.procs: list[RankProcess] = []
+        self._stack = AsyncExitStack()
+
+    async def __aenter__(self) -> rank_processes:
+        self._tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.push_async_callback(_stop, self.procs)
+        self._tg.start_soon(self._signals)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        self._tg.cancel_scope.cancel()
+        return await self._stack.__aexit__(*exc)
+
+    def terminate(self) -> None:
+        """Ask every running child to stop (SIGTERM: ranks still print their summaries)."""
+        for rp in self.procs:
+            if rp.proc.returncode is None:
+                rp.proc.terminate()
+
+    async def _signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+            async for _ in received:
+                self.terminate()
+                return
+
+    async def start(self, rank: int, argv: list[str], env: dict[str, str] | None = None) -> RankProcess:
+        proc = await anyio.open_process(argv, env={**os.environ, **(env or {})}, stderr=None)
+        rp = RankProcess(rank, proc)
+        self.procs.append(rp)
+        self._tg.start_soon(_watch, rp, self.on_line)
+        await rp.started.wait()
+        return rp
+
+    async def wait(self) -> None:
+        """Wait for every child to exit (and its last lines to be read)."""
+        for rp in self.procs:
+            await rp.exited.wait()
