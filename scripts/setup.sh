@@ -34,3 +34,13 @@ if [ -z "${AKV_ETCD:-}" ] && ! command -v etcd >/dev/null 2>&1; then
         fi
     fi
 fi
+
+# ip (iproute2) and iptables for the separate-hosts harness (tests/hosts.py: network namespaces;
+# iptables stands in for tc netem where the kernel lacks it). Root only: the harness needs root.
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1 \
+    && ! { command -v ip >/dev/null 2>&1 && command -v iptables-restore >/dev/null 2>&1; }; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends iproute2 iptables >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 || true; apt-get install -y -qq --no-install-recommends iproute2 iptables >/dev/null 2>&1; } \
+        || echo "setup: apt-get install iproute2 iptables failed; tests/test_hosts.py skips what needs them (fails under CI)" >&2
+fi
