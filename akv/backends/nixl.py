@@ -124,7 +124,7 @@ class NixlBackend:
             raise BackendError("the NIXL UCX backend is not available in this installation")
         self.name = name
         self._registrations: list[Any] = []
-        self._dlists: list[DlistHandle] = []
+        self._dlists: set[DlistHandle] = set()  # live prepared lists (handles are ints)
         self._xfers: set[XferHandle] = set()
         self._remotes: set[str] = set()
         self._closed = False
@@ -191,7 +191,7 @@ class NixlBackend:
                 from akv.plan import expand_table
 
                 handle = self._agent.prep_xfer_dlist(agent, expand_table(table), mem_type)
-        self._dlists.append(handle)
+        self._dlists.add(handle)
         return handle
 
     def prep_expanded(self, agent: str, table: npt.NDArray[np.int64], mem_type: str) -> DlistHandle:
@@ -200,13 +200,13 @@ class NixlBackend:
 
         with map_exceptions("preparing descriptors failed"):
             handle = self._agent.prep_xfer_dlist(agent, expand_table(table), mem_type)
-        self._dlists.append(handle)
+        self._dlists.add(handle)
         return handle
 
     def release_dlist(self, handle: DlistHandle) -> None:
         """Release a prepared list. Idempotent."""
         if handle in self._dlists:
-            self._dlists.remove(handle)
+            self._dlists.discard(handle)
             with contextlib.suppress(Exception):  # already gone: nothing else to undo
                 self._agent.release_dlist_handle(handle)
 
@@ -225,7 +225,11 @@ class NixlBackend:
         """Create and post a READ; the target gets ``notif`` (if any) once the read is DONE and polled.
 
         ``merge=False`` keeps NIXL from merging contiguous descriptors (for comparisons).
+        A list released meanwhile (its peer was re-linked) is a PeerLostError, never handed to
+        NIXL (which would read freed memory).
         """
+        if local not in self._dlists or remote not in self._dlists:
+            raise PeerLostError("a descriptor list of this read was released (its peer was re-linked)")
         with map_exceptions("creating the read failed", TransferError):
             handle = self._agent.make_prepped_xfer(
                 "READ", local, local_idx, remote, remote_idx, notif, skip_desc_merge=not merge

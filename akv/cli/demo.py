@@ -6,6 +6,7 @@ import argparse
 import os
 import secrets
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ from akv.cli.args import (
     spec_from_args,
     verbosity_argv,
 )
-from akv.testing import ProgressBar, ajson_lines, spec_argv
+from akv.testing import EtcdServer, ProgressBar, ajson_lines, etcd_binary, spec_argv
 
 __all__ = ["cmd_demo", "run_demo", "validate"]
 
@@ -35,9 +36,30 @@ def validate(a: argparse.Namespace) -> None:
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
     check_seconds(a.lease, "--lease")
     check_seconds(a.timeout, "--timeout")
+    check(
+        not a.etcd or etcd_binary() is not None,
+        "--etcd needs an etcd binary: run bash scripts/setup.sh (installs etcd-server) or set AKV_ETCD",
+    )
 
 
 async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    if not a.etcd:
+        return await _run_demo(a, [], None)
+    with tempfile.TemporaryDirectory(prefix="akv-demo-etcd-") as data:
+        server = EtcdServer(data)  # a local etcd for this demo only
+        await anyio.to_thread.run_sync(server.start)
+        try:
+            engine = f"demo-{secrets.token_hex(4)}"
+            return await _run_demo(
+                a, ["--etcd", server.endpoint, "--engine-id", engine], f"etcd://{server.endpoint}/{engine}"
+            )
+        finally:
+            await anyio.to_thread.run_sync(server.stop)
+
+
+async def _run_demo(
+    a: argparse.Namespace, prefill_extra: list[str], connect: str | None
+) -> tuple[dict[str, Any], int]:
     env = dict(os.environ)
     env.setdefault("AKV_SECRET", a.secret or secrets.token_hex(16))  # the demo authenticates its peers
     env["NIXL_LOG_LEVEL"] = env.get("NIXL_LOG_LEVEL", "WARN")
@@ -60,6 +82,7 @@ async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
         str(a.timeout),
         "--json",
         *model,
+        *prefill_extra,
     ]
     bar = ProgressBar(sys.stderr.isatty() and not a.json)
     started = time.monotonic()
@@ -82,7 +105,7 @@ async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
                 *py,
                 "decode",
                 "--connect",
-                endpoint,
+                connect or endpoint,
                 "--tp-size",
                 str(a.decode_tp),
                 "--json",

@@ -130,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the requests' ids, blocks and contents (default: %(default)s)",
     )
     p.add_argument("--hold", action="store_true", help="keep serving after every request is released")
-    p.add_argument("--until-terminated", action="store_true", help=argparse.SUPPRESS)  # set for rank processes
+    p.add_argument(
+        "--until-terminated", action="store_true", help=argparse.SUPPRESS
+    )  # set for rank processes
     p.add_argument("--no-fill", action="store_true", help="leave the cache zeroed (benchmarks)")
     p.add_argument(
         "--requests-file",
@@ -224,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout", type=float, default=300.0, help="give up after this many seconds (default: %(default)s)"
+    )
+    p.add_argument(
+        "--etcd",
+        action="store_true",
+        help="start a local etcd server, register the prefill ranks there and let decode find them "
+        "as etcd://HOST:PORT/ENGINE_ID; stop it at the end",
     )
     add_common(p)
     p.set_defaults(func=cmd_demo)

@@ -473,6 +473,8 @@ class TransferSession:
             if link.check is not None:
                 backend.release_dlist(link.check[0])
             backend.remove_remote(link.agent)
+        link.check = None
+        link.broken = True
 
     def _fail_rank(self, rank: int, error: AkvError) -> None:
         """Fail the pulls in flight that wait on reads from ``rank``."""
@@ -623,9 +625,10 @@ class TransferSession:
         c = self.consumer
         h = exposure.request_hash(transfer.request_id)
         for rank in {op.remote_rank for op in transfer.reads.ops}:
-            check = self.links[rank].check
-            if check is None:  # pragma: no cover - linked with verify_exposure on
-                raise TransferError(f"prefill rank {rank} has no exposure table prepared")
+            link = self.links.get(rank)
+            check = link.check if link is not None else None
+            if check is None:  # the rank was re-linked (or lost) since the data reads
+                raise PeerLostError(f"prefill rank {rank} was re-linked during this pull")
             dlist, buckets = check
             slot = c.checks.acquire()
             transfer.check_slots[rank] = slot
