@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -76,12 +77,14 @@ class BlockAllocator:
 async def run_decode(
     a: argparse.Namespace, progress: Callable[[int, int], None] | None = None
 ) -> dict[str, Any]:
-    """Run one decode rank (``--tp-rank``) in this process; returns its JSON summary."""
+    """Run decode rank ``--tp-rank`` in this process (without it: every rank, in this process);
+    returns the JSON summary."""
     from akv.geometry.tensors import allocate_kv_cache
     from akv.runtime.consumer import Consumer, PullRequest
 
     spec = spec_from_args(a)
-    rank, size = a.tp_rank, a.tp_size
+    size = a.tp_size
+    mine = [a.tp_rank] if a.tp_rank is not None else list(range(size))
     engine_id = a.engine_id or default_engine_id("decode")
     requests = await fetch_requests(a.connect, spec, a.secret, engine_id)
     largest = max((len(r.block_ids) for r in requests), default=0)
@@ -94,21 +97,39 @@ async def run_decode(
     failed: list[str] = []
     errors: list[str] = []
     started = time.monotonic()
-    cache = allocate_kv_cache(spec, rank, size)
-    consumer = Consumer(
-        cache,
-        spec,
-        tp_rank=rank,
-        tp_size=size,
-        engine_id=engine_id,
-        secret=a.secret,
-        transfer_timeout=a.transfer_timeout,
-    )
-    async with consumer:
-        session = await consumer.connect(a.connect)
+    caches = {d: allocate_kv_cache(spec, d, size) for d in mine}
+    async with AsyncExitStack() as stack:
+        consumers = {
+            d: await stack.enter_async_context(
+                Consumer(
+                    caches[d],
+                    spec,
+                    tp_rank=d,
+                    tp_size=size,
+                    engine_id=engine_id,
+                    secret=a.secret,
+                    transfer_timeout=a.transfer_timeout,
+                )
+            )
+            for d in mine
+        }
+        sessions = {d: await c.connect(a.connect) for d, c in consumers.items()}
         allocator = BlockAllocator(spec.num_blocks, seed=a.seed)
         limiter = anyio.CapacityLimiter(max(1, a.concurrency))
         done = 0
+
+        async def pull(d: int, pr: PullRequest, seed: int, positions: Any) -> bool:
+            try:
+                res = await (await sessions[d].pull(pr))
+            except AkvError as exc:
+                errors.append(f"{pr.request_id} rank {d}: {type(exc).__name__}: {exc}")
+                return False
+            stats["bytes"] += res.bytes
+            local = list(pr.local_block_ids)
+            if verify_request(caches[d], spec, d, size, local, seed, positions):
+                return True
+            errors.append(f"{pr.request_id} rank {d}: data mismatch")
+            return False
 
         async def one(i: int, req: Any) -> None:
             nonlocal done
@@ -120,14 +141,7 @@ async def run_decode(
                     pr = PullRequest(
                         request_id=req.request_id, local_block_ids=local, remote_block_ids=req.block_ids
                     )
-                    res = await (await session.pull(pr))
-                    stats["bytes"] += res.bytes
-                    ok = verify_request(cache, spec, rank, size, local, req.seed, np.arange(hit, n))
-                    if not ok:
-                        errors.append(f"{req.request_id} rank {rank}: data mismatch")
-                except AkvError as exc:
-                    ok = False
-                    errors.append(f"{req.request_id} rank {rank}: {type(exc).__name__}: {exc}")
+                    ok = all([await pull(d, pr, req.seed, np.arange(hit, n)) for d in mine])
                 finally:
                     allocator.release(local)
             if ok:
@@ -142,10 +156,9 @@ async def run_decode(
             for i, req in enumerate(requests):
                 tg.start_soon(one, i, req)
     seconds = time.monotonic() - started
-    return {
+    summary = {
         "event": "summary",
         "role": "decode",
-        "tp_rank": rank,
         "requests": len(requests),
         "verified": stats["verified"],
         "failed": len(failed),
@@ -156,6 +169,9 @@ async def run_decode(
         "errors": errors[:10],
         "failed_ids": sorted(failed),
     }
+    if a.tp_rank is not None:
+        summary["tp_rank"] = a.tp_rank
+    return summary
 
 
 async def run_decode_engine(
@@ -211,7 +227,8 @@ def cmd_decode(a: argparse.Namespace) -> int:
 
     validate(a)
     try:
-        summary = anyio.run(run_decode if a.tp_rank is not None else run_decode_engine, a, progress)
+        one_process = a.tp_rank is not None or a.tp_size == 1
+        summary = anyio.run(run_decode if one_process else run_decode_engine, a, progress)
     except ConfigError:
         raise  # exit 64, one line (akv.cli.main)
     except AkvError as exc:

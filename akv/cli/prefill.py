@@ -250,6 +250,8 @@ async def run_prefill_engine(
 
 def cmd_prefill(a: argparse.Namespace) -> int:
     validate(a)
+    if a.tp_rank is None and a.tp_size == 1:
+        a.tp_rank = 0  # an engine of one rank: this process is that rank
     summary = anyio.run(run_prefill if a.tp_rank is not None else run_prefill_engine, a)
     report(
         a,

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -179,12 +179,16 @@ class Producer(RankBase):
         if self.etcd is not None:
             from akv.runtime.discovery import EtcdRegistry, RankRecord
 
-            registry = EtcdRegistry(self.etcd, ttl=self.etcd_ttl)
-            stack.push_async_callback(registry.aclose)
             record = RankRecord.create(
                 self.engine_id, self.tp_rank, self.tp_size, self.endpoint, compat=self.spec.compat_hash()
             )
-            await tg.start(registry.keep_registered, record)
+            await tg.start(self._keep_in_etcd, EtcdRegistry(self.etcd, ttl=self.etcd_ttl), record)
+
+    @staticmethod
+    async def _keep_in_etcd(registry: Any, record: Any, *, task_status: TaskStatus[bool]) -> None:
+        """Keep this rank registered; the registry closes after the lease is revoked on exit."""
+        async with registry:
+            await registry.keep_registered(record, task_status=task_status)
 
     async def _keep_registered(self, bootstrap: Endpoint, *, task_status: TaskStatus[None]) -> None:
         """Register with the bootstrap now and every REGISTER_EVERY_S (a restarted rank 0 forgets).
