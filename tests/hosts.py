@@ -439,6 +439,8 @@ class Host:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
 
 
 class Network(Sequence[Host]):
@@ -642,10 +644,11 @@ class Lines:
         self._thread.start()
 
     def _pump(self, stream: Any) -> None:
-        for line in stream:
-            with self._cond:
-                self.lines.append(line)
-                self._cond.notify_all()
+        with stream:  # closed at EOF: a finished process leaves no open pipe behind
+            for line in stream:
+                with self._cond:
+                    self.lines.append(line)
+                    self._cond.notify_all()
         with self._cond:
             self.closed = True
             self._cond.notify_all()
