@@ -64,6 +64,7 @@ __all__ = [
     "Network",
     "ProtoTable",
     "akv_env",
+    "assert_inter_node_tcp",
     "create",
     "hosts",
     "missing_capability",
@@ -439,7 +440,7 @@ class Host:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if proc.stdout:
+        if proc.stdout is not None:
             proc.stdout.close()
 
 
@@ -721,6 +722,25 @@ def proto_tables(text: str) -> list[ProtoTable]:
                 table.rows.append((cells[i][0], cells[i][1], " ".join(cells[i][2:])))
                 i += 1
             tables.append(table)
+    return tables
+
+
+SHARED_MEMORY = ("cma", "sysv", "posix", "xpmem", "knem")
+
+
+def assert_inter_node_tcp(text: str, side: str = "") -> list[ProtoTable]:
+    """Assert that the UCX protocol tables in ``text`` (printed under ``UCX_PROTO_INFO=y``) are all
+    inter-node over TCP on the hosts' link, apart from an agent's own ``self`` endpoint: no
+    intra-node protocol, no shared-memory transport, and remote reads by ``tcp/akv0`` alone.
+    Returns those tables."""
+    tables = [t for t in proto_tables(text) if t.scope != "self"]
+    assert tables, f"{side}: UCX_PROTO_INFO printed no protocol table:\n{text[-3000:]}"
+    assert {t.scope for t in tables} == {"inter-node"}, (side, {(t.scope, t.operation) for t in tables})
+    for t in tables:
+        assert t.rows, (side, t)
+        for _size, _proto, transport in t.rows:
+            assert f"tcp/{IFACE}" in transport, (side, t)
+            assert not any(shm in transport for shm in SHARED_MEMORY), (side, t)
     return tables
 
 

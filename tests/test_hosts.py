@@ -15,7 +15,18 @@ from typing import Any
 import pytest
 
 from tests.conftest import MODEL
-from tests.hosts import AKV, IFACE, Host, Lines, Network, akv_env, hosts, pidns_members, proto_tables
+from tests.hosts import (
+    AKV,
+    IFACE,
+    Host,
+    Lines,
+    Network,
+    akv_env,
+    assert_inter_node_tcp,
+    hosts,
+    pidns_members,
+    proto_tables,
+)
 
 two = hosts(2)
 
@@ -31,7 +42,6 @@ def ab(two: Network) -> Iterator[Network]:
 
 SECRET = "hosts-test-secret"
 REQUESTS = 6
-SHARED_MEMORY = ("cma", "sysv", "posix", "xpmem", "knem")
 
 
 def start_prefill(host: Host, *extra: str, env: dict[str, str] | None = None) -> tuple[Any, Lines, str]:
@@ -146,14 +156,7 @@ def test_prefill_and_decode_on_separate_hosts_pull_over_tcp(ab: Network) -> None
     print(f"no delay: decode {wall:.2f}s wall, {decode['seconds']:.3f}s transfers")
 
     for side, text in (("decode", printed), ("prefill", out.text(5))):
-        tables = [t for t in proto_tables(text) if t.scope != "self"]  # self: an agent's own endpoint
-        assert tables, f"{side}: UCX_PROTO_INFO printed no protocol table:\n{text[-3000:]}"
-        assert {t.scope for t in tables} == {"inter-node"}, (side, {(t.scope, t.operation) for t in tables})
-        for t in tables:
-            assert t.rows, (side, t)
-            for _size, _proto, transport in t.rows:
-                assert f"tcp/{IFACE}" in transport, (side, t)
-                assert not any(shm in transport for shm in SHARED_MEMORY), (side, t)
+        assert_inter_node_tcp(text, side)
     reads = [t for t in proto_tables(printed) if t.operation.startswith("remote memory read by ucp_get")]
     assert reads and all(t.scope == "inter-node" for t in reads), reads
     assert all(transport == f"tcp/{IFACE}" for t in reads for *_, transport in t.rows), reads

@@ -190,7 +190,9 @@ async def run_decode_engine(
 
     async with rank_processes(on_line) as ranks:
         for d in range(a.tp_size):
-            await ranks.start(d, child_argv(a.argv, "--tp-rank", str(d), "--engine-id", engine_id))
+            # Decode ranks print no ready line: start them all at once (they pull concurrently).
+            argv = child_argv(a.argv, "--tp-rank", str(d), "--engine-id", engine_id)
+            await ranks.start(d, argv, ready=False)
         await ranks.wait()
     summaries = [rp.summary or {} for rp in ranks.procs]
     codes = [rp.code for rp in ranks.procs]

@@ -7,18 +7,18 @@ The parent forwards SIGTERM/SIGINT to its children and never leaves one behind.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from anyio.abc import Process
-
-from akv.testing import ajson_lines
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 __all__ = ["ChildFailed", "RankProcess", "child_argv", "rank_processes"]
 
@@ -50,9 +50,26 @@ def child_argv(argv: Sequence[str], *extra: str) -> list[str]:
     return [sys.executable, "-m", "akv", *argv, *extra, "--json"]
 
 
+async def _lines(stream: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON lines of a child's stdout; its other lines (a native library's output, such as
+    what ``UCX_PROTO_INFO=y`` prints) go to this process's stderr, keeping stdout JSON only."""
+    buf = BufferedByteReceiveStream(stream)
+    while True:
+        try:
+            line = await buf.receive_until(b"\n", 1 << 20)
+        except (anyio.IncompleteRead, anyio.EndOfStream):
+            return
+        text = line.decode(errors="replace").rstrip()
+        if text.startswith("{"):
+            yield dict(json.loads(text))
+        elif text:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+
 async def _watch(rp: RankProcess, on_line: Callable[[RankProcess, dict[str, Any]], None]) -> None:
     try:
-        async for msg in ajson_lines(rp.proc.stdout):
+        async for msg in _lines(rp.proc.stdout):
             event = msg.get("event")
             if event == "ready":
                 rp.ready = msg
@@ -84,7 +101,8 @@ async def _stop(procs: Sequence[RankProcess]) -> None:
 class rank_processes:
     """Start child commands (one per rank), watch their JSON lines; on exit stop any still running.
 
-    ``start(rank, argv)`` starts one and returns once it printed its ready line (or died).
+    ``start(rank, argv)`` starts one and returns once it printed its ready line (or died);
+    ``start(rank, argv, ready=False)`` returns at once (for children that print no ready line).
     ``wait()`` returns once every child exited. SIGTERM/SIGINT to this process stop them all.
     """
 
@@ -115,12 +133,15 @@ class rank_processes:
                 self.terminate()
                 return
 
-    async def start(self, rank: int, argv: list[str], env: dict[str, str] | None = None) -> RankProcess:
+    async def start(
+        self, rank: int, argv: list[str], env: dict[str, str] | None = None, *, ready: bool = True
+    ) -> RankProcess:
         proc = await anyio.open_process(argv, env={**os.environ, **(env or {})}, stderr=None)
         rp = RankProcess(rank, proc)
         self.procs.append(rp)
         self._tg.start_soon(_watch, rp, self.on_line)
-        await rp.started.wait()
+        if ready:
+            await rp.started.wait()
         return rp
 
     async def wait(self) -> None:

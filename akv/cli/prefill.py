@@ -192,8 +192,8 @@ async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
 async def run_prefill_engine(
     a: argparse.Namespace, on_ready: Callable[[dict[str, Any]], None] = emit
 ) -> dict[str, Any]:
-    """Run every rank of the engine as its own process (rank 0 first: it is the bootstrap);
-    returns the engine's summary, aggregated from the ranks' (today's fields)."""
+    """Run every rank of the engine as its own process (rank 0 first: it is the bootstrap; then
+    the others at once); returns the engine's summary, aggregated from the ranks' (today's fields)."""
     argv = [*a.argv, "--until-terminated"]
     released_ranks: set[int] = set()
 
@@ -208,10 +208,16 @@ async def run_prefill_engine(
         if first.ready is None:
             raise ChildFailed(first.code or EXIT_FAILED)  # the child said why, on stderr
         boot = first.ready["endpoint"]
-        for r in range(1, a.tp_size):
-            rp = await ranks.start(
-                r, child_argv(argv, "--tp-rank", str(r), "--bootstrap", boot, "--port", "0")
+        # The other ranks need only the bootstrap: start them all at once (one after another,
+        # the engine would take P start-ups to be ready, and rank 0's leases would run meanwhile).
+        rest = [
+            await ranks.start(
+                r, child_argv(argv, "--tp-rank", str(r), "--bootstrap", boot, "--port", "0"), ready=False
             )
+            for r in range(1, a.tp_size)
+        ]
+        for rp in rest:
+            await rp.started.wait()
             if rp.ready is None:
                 raise ChildFailed(rp.code or EXIT_FAILED)
         on_ready(

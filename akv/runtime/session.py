@@ -8,6 +8,7 @@ polls them. Each pull's progress is a pure `TransferState`.
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,11 @@ from akv.protocol.address import (
 )
 from akv.protocol.handshake import HandshakeResult
 from akv.protocol.messages import Challenge, Hello, Notice, RankInfo, encode_notice
+from akv.runtime.rank import _leaves
 from akv.tracker import Stage, TransferState
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
+    from exceptiongroup import BaseExceptionGroup
 
 if TYPE_CHECKING:
     from akv.runtime.consumer import Consumer
@@ -312,9 +317,15 @@ class TransferSession:
         async def one(ep: Endpoint, wanted: list[int]) -> None:
             results.append(await self._handshake_with(ep, lambda ch: sorted(wanted)))
 
-        async with anyio.create_task_group() as tg:
-            for ep, wanted in by_endpoint.items():
-                tg.start_soon(one, ep, wanted)
+        try:
+            async with anyio.create_task_group() as tg:
+                for ep, wanted in by_endpoint.items():
+                    tg.start_soon(one, ep, wanted)
+        except BaseExceptionGroup as group:
+            leaves = _leaves(group)
+            if all(isinstance(e, AkvError) for e in leaves):
+                raise leaves[0] from None  # a typed HandshakeError, as documented, not a group
+            raise
         for res in results:
             challenges.append(res.challenge)
             infos.update(res.ranks)
