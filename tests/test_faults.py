@@ -207,3 +207,33 @@ async def test_decode_crash_after_handshake_releases_everything_by_lease_once() 
     assert summary["duplicate_releases"] == 0 and summary["unreleased"] == 0
     assert summary["released"] + summary["expired"] == 12
     assert summary["expired"] >= 1  # the crashed reader never notified for the rest
+
+
+LOST_PEER_SCRIPT = """
+import signal, subprocess, sys, anyio, akv
+from akv.testing import fetch_requests, spawn_prefill, spec_argv
+spec = akv.KVSpec.create(layers=2, num_blocks=64, block_size=4, kv_heads=4, head_dim=16, dtype="float16")
+async def main():
+    proc, boot = spawn_prefill("--tp-size", "1", *spec_argv(spec), "--requests", "4",
+                               "--blocks-per-request", "4", "--hold")
+    async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1) as c:
+        s = await c.connect(boot)
+        reqs = await fetch_requests(boot, spec, None, c.engine_id)
+        await (await s.pull(reqs[0].request_id, [0, 1, 2, 3], reqs[0].block_ids))
+        proc.kill(); proc.wait(); proc.stdout.close()
+        try:
+            await (await s.pull(reqs[1].request_id, [4, 5, 6, 7], reqs[1].block_ids))
+        except akv.TransferError as e:
+            print("failed typed:", type(e).__name__)
+anyio.run(main)
+print("exited cleanly")
+"""
+
+
+def test_process_exits_cleanly_after_a_read_to_a_killed_peer() -> None:
+    """A read to a SIGKILLed peer fails typed, and the process then exits 0: UCX retires what it
+    held for the lost peer before the agent closes (no abort at exit)."""
+    res = subprocess.run([sys.executable, "-c", LOST_PEER_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert "failed typed: PeerLostError" in res.stdout, res.stdout + res.stderr[-2000:]
+    assert res.returncode == 0 and "exited cleanly" in res.stdout, res.stderr[-2000:]
+    assert "Assertion" not in res.stdout + res.stderr

@@ -16,7 +16,15 @@ from anyio.abc import TaskGroup
 
 from akv import exposure
 from akv.backends import DlistHandle, XferHandle, mem_type
-from akv.errors import AkvError, BackendError, ClosedError, ConfigError, TransferError, TransferTimeout
+from akv.errors import (
+    AkvError,
+    BackendError,
+    ClosedError,
+    ConfigError,
+    PeerLostError,
+    TransferError,
+    TransferTimeout,
+)
 from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
@@ -157,6 +165,14 @@ class Consumer(RankBase):
         tg.start_soon(self._poll)
 
     def _teardown(self) -> None:
+        backend = self.backend_or_none
+        if backend is not None and time.monotonic() < self._reap_until:
+            for _ in range(50):  # let UCX retire what it still holds for a lost peer before closing
+                try:
+                    backend.progress()
+                except BackendError:
+                    break
+                time.sleep(0.002)
         for _state, transfer in self._tracker:
             self.fail(transfer, ClosedError("the consumer was closed"))
         for session in list(self._sessions.values()):
@@ -238,6 +254,11 @@ class Consumer(RankBase):
         if not transfer.done():
             self._backoff.wake()
 
+    def reap(self) -> None:
+        """A peer was lost or hung: keep progressing the agent for a while (see REAP_S)."""
+        self._reap_until = time.monotonic() + REAP_S
+        self._backoff.wake()
+
     def flush_notices(self) -> None:
         """Standalone notices leave only while the agent progresses: keep the poller at it briefly."""
         self._flush_until = time.monotonic() + FLUSH_S
@@ -266,10 +287,10 @@ class Consumer(RankBase):
         transfer.state.fail()
         self._tracker.discard(transfer.state)
         transfer.session.transfers.discard(transfer)
-        if isinstance(error, TransferTimeout):
-            # Operations to a hung peer stay pending in UCX (releasing a handle does not cancel
-            # them) until the peer dies or resumes *and* this agent progresses: keep reaping.
-            self._reap_until = time.monotonic() + REAP_S
+        if isinstance(error, (TransferTimeout, PeerLostError)):
+            # Operations to a hung or lost peer stay pending in UCX (releasing a handle does not
+            # cancel them) until the peer dies or resumes *and* this agent progresses: keep reaping.
+            self.reap()
         if not was_done:
             self.metrics.inc(
                 "transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed"

@@ -625,6 +625,7 @@ class TransferSession:
                 )
             except TransferError as exc:
                 self.mark_broken(exc, op.remote_rank)
+                self.consumer.reap()
                 for posted in transfer.state.fail():
                     self.consumer.drop_handle(posted)
                 self.consumer.metrics.inc("transfers_failed")
