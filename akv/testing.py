@@ -14,7 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -232,8 +232,11 @@ def json_lines(stream: Iterable[str]) -> Iterator[dict[str, Any]]:
             yield dict(json.loads(line))
 
 
-async def ajson_lines(stream: Any) -> AsyncIterator[dict[str, Any]]:
-    """[`json_lines`][akv.testing.json_lines] for ``stream``, an anyio byte stream (a process's stdout)."""
+async def ajson_lines(
+    stream: Any, other: Callable[[str], None] | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    """[`json_lines`][akv.testing.json_lines] for ``stream``, an anyio byte stream (a process's
+    stdout); ``other`` gets every other non-empty line (a native library's output)."""
     import anyio
     from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -246,6 +249,8 @@ async def ajson_lines(stream: Any) -> AsyncIterator[dict[str, Any]]:
         text = line.decode(errors="replace").strip()
         if text.startswith("{"):
             yield dict(json.loads(text))
+        elif text and other is not None:
+            other(text)
 
 
 def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:

@@ -7,18 +7,18 @@ The parent forwards SIGTERM/SIGINT to its children and never leaves one behind.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from anyio.abc import Process
-from anyio.streams.buffered import BufferedByteReceiveStream
+
+from akv.testing import ajson_lines
 
 __all__ = ["ChildFailed", "RankProcess", "child_argv", "rank_processes"]
 
@@ -50,26 +50,16 @@ def child_argv(argv: Sequence[str], *extra: str) -> list[str]:
     return [sys.executable, "-m", "akv", *argv, *extra, "--json"]
 
 
-async def _lines(stream: Any) -> AsyncIterator[dict[str, Any]]:
-    """The JSON lines of a child's stdout; its other lines (a native library's output, such as
-    what ``UCX_PROTO_INFO=y`` prints) go to this process's stderr, keeping stdout JSON only."""
-    buf = BufferedByteReceiveStream(stream)
-    while True:
-        try:
-            line = await buf.receive_until(b"\n", 1 << 20)
-        except (anyio.IncompleteRead, anyio.EndOfStream):
-            return
-        text = line.decode(errors="replace").rstrip()
-        if text.startswith("{"):
-            yield dict(json.loads(text))
-        elif text:
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
+def _to_stderr(text: str) -> None:
+    """A child's non-JSON line (a native library's output, such as ``UCX_PROTO_INFO=y``'s)
+    goes to this process's stderr: its stdout stays JSON only."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 async def _watch(rp: RankProcess, on_line: Callable[[RankProcess, dict[str, Any]], None]) -> None:
     try:
-        async for msg in _lines(rp.proc.stdout):
+        async for msg in ajson_lines(rp.proc.stdout, _to_stderr):
             event = msg.get("event")
             if event == "ready":
                 rp.ready = msg
