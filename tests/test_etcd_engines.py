@@ -110,3 +110,59 @@ def test_demo_through_etcd() -> None:
     summary = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     assert proc.returncode == 0, (summary, proc.stderr[-2000:])
     assert summary["verified"] == summary["released"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_killed_rank_leaves_etcd_and_its_restart_is_found(etcd: EtcdServer, anyio_backend: str) -> None:  # noqa: F811
+    """Rank processes registered in etcd: a SIGKILLed rank's key goes within its TTL and only the
+    pulls needing it fail; restarted on a new port, it is found again through etcd."""
+    from akv.runtime.discovery import EtcdRegistry
+    from akv.testing import fetch_requests, spawn_prefill, spec_argv
+    from tests.conftest import stop
+
+    spec = make_spec(kv_heads=2)
+    name = f"p-{uuid.uuid4().hex[:8]}"
+    common = ["--tp-size", "2", *spec_argv(spec), "--requests", "4", "--blocks-per-request", "2",
+              "--hold", "--etcd", etcd.endpoint, "--etcd-ttl", "2", "--engine-id", name]  # fmt: skip
+    procs = {r: spawn_prefill(*common, "--tp-rank", str(r))[0] for r in range(2)}
+    address = f"etcd://{etcd.endpoint}/{name}"
+    try:
+        async with AsyncExitStack() as stack:
+            d0, d1 = [
+                await stack.enter_async_context(
+                    akv.Consumer(akv.allocate_kv_cache(spec, d, 2), spec, tp_rank=d, tp_size=2,
+                                 engine_id="d-kill", transfer_timeout=5, handshake_timeout=5)
+                )
+                for d in range(2)
+            ]  # fmt: skip
+            s0, s1 = await d0.connect(address), await d1.connect(address)
+            reqs = await fetch_requests(address, spec, None, "d-kill")
+            first, second = reqs[0], reqs[1]
+            for s, c in ((s0, d0), (s1, d1)):
+                await (await s.pull(first.request_id, [10, 11], first.block_ids))
+                assert verify_request(c.kv_caches, spec, c.tp_rank, 2, [10, 11], first.seed, range(2))
+            stop(procs.pop(1))
+            killed = anyio.current_time()
+            async with EtcdRegistry(etcd.endpoint) as registry:
+                with anyio.fail_after(2 + 2.5):  # the TTL, plus etcd's 0.5 s expiry sweep and slack
+                    while 1 in (await registry.list_engines()).get(name, {}):
+                        await anyio.sleep(0.1)
+            print(f"rank 1's key gone {anyio.current_time() - killed:.2f}s after SIGKILL (ttl 2 s)")
+            await (await s0.pull(second.request_id, [12, 13], second.block_ids))  # needs rank 0 only
+            assert verify_request(d0.kv_caches, spec, 0, 2, [12, 13], second.seed, range(2))
+            with pytest.raises((akv.TransferError, akv.HandshakeError)):
+                await (await s1.pull(second.request_id, [12, 13], second.block_ids))
+            procs[1] = spawn_prefill(*common, "--tp-rank", "1")[0]  # a new process, a new port
+            with anyio.fail_after(30):
+                while True:  # the first pulls may still find the old rank gone: until re-linked
+                    try:
+                        await (await s1.pull(second.request_id, [14, 15], second.block_ids))
+                        break
+                    except (akv.TransferError, akv.HandshakeError):
+                        await anyio.sleep(0.5)
+            assert verify_request(d1.kv_caches, spec, 1, 2, [14, 15], second.seed, range(2))
+            assert d0.metrics.counters["handshakes"] == 1  # decode rank 0 never re-linked
+    finally:
+        for proc in procs.values():
+            stop(proc)
