@@ -23,7 +23,7 @@ from akv.cli.args import (
     report,
     spec_from_args,
 )
-from akv.cli.fanout import ChildFailed, RankProcess, child_argv, rank_processes
+from akv.cli.fanout import ChildFailed, RankProcess, child_argv, exit_with_parent, rank_processes
 from akv.errors import AkvError, ConfigError
 from akv.protocol.address import check_engine_id, parse_engine_address
 from akv.runtime.rank import default_engine_id
@@ -228,6 +228,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
             emit({"event": "progress", "done": done, "total": total})
 
     validate(a)
+    exit_with_parent(a.parent_pid)
     try:
         one_process = a.tp_rank is not None or a.tp_size == 1
         summary = anyio.run(run_decode if one_process else run_decode_engine, a, progress)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from anyio.abc import Process
 
 from akv.testing import ajson_lines
 
-__all__ = ["ChildFailed", "RankProcess", "child_argv", "rank_processes"]
+__all__ = ["ChildFailed", "RankProcess", "child_argv", "exit_with_parent", "rank_processes"]
 
 
 class ChildFailed(Exception):
@@ -46,8 +48,22 @@ class RankProcess:
 
 
 def child_argv(argv: Sequence[str], *extra: str) -> list[str]:
-    """``python -m akv ARGV EXTRA --json`` (later flags override earlier ones)."""
-    return [sys.executable, "-m", "akv", *argv, *extra, "--json"]
+    """``python -m akv ARGV EXTRA --json --parent-pid PID`` (later flags override earlier ones)."""
+    return [sys.executable, "-m", "akv", *argv, *extra, "--json", "--parent-pid", str(os.getpid())]
+
+
+def exit_with_parent(parent_pid: int | None) -> None:
+    """In a rank process: stop (SIGTERM to itself) once the parent that started it is gone, so
+    a killed ``akv prefill``/``akv decode`` leaves no rank behind."""
+    if parent_pid is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="akv-parent-watch", daemon=True).start()
 
 
 def _to_stderr(text: str) -> None:

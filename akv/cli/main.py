@@ -130,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the requests' ids, blocks and contents (default: %(default)s)",
     )
     p.add_argument("--hold", action="store_true", help="keep serving after every request is released")
-    p.add_argument(
-        "--until-terminated", action="store_true", help=argparse.SUPPRESS
-    )  # set for rank processes
+    # Set for the rank processes an engine's command starts: serve until stopped; exit with it.
+    p.add_argument("--until-terminated", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p.add_argument("--no-fill", action="store_true", help="leave the cache zeroed (benchmarks)")
     p.add_argument(
         "--requests-file",
@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run only this rank, in this process (default: start one process per rank); needs "
         "--engine-id when --tp-size > 1",
     )
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # rank processes exit with it
     add_model_flags(p)
     p.add_argument(
         "--concurrency", type=int, default=8, help="requests in flight at once (default: %(default)s)"

@@ -29,7 +29,7 @@ from akv.cli.args import (
     size_pool,
     spec_from_args,
 )
-from akv.cli.fanout import ChildFailed, RankProcess, child_argv, rank_processes
+from akv.cli.fanout import ChildFailed, RankProcess, child_argv, exit_with_parent, rank_processes
 from akv.errors import ConfigError
 from akv.geometry.spec import KVSpec
 from akv.protocol.address import check_engine_id, is_loopback, parse_endpoint, parse_engine_address
@@ -256,6 +256,7 @@ async def run_prefill_engine(
 
 def cmd_prefill(a: argparse.Namespace) -> int:
     validate(a)
+    exit_with_parent(a.parent_pid)
     if a.tp_rank is None and a.tp_size == 1:
         a.tp_rank = 0  # an engine of one rank: this process is that rank
     summary = anyio.run(run_prefill if a.tp_rank is not None else run_prefill_engine, a)
