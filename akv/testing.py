@@ -491,7 +491,8 @@ def spawn_registrant(
         text=True,
         env={**os.environ, "PYTHONPATH": path},
     )
-    assert proc.stdout is not None
+    if proc.stdout is None:  # pragma: no cover - Popen with stdout=PIPE always has one
+        raise AkvError("the registrant process has no stdout")
     line = proc.stdout.readline().strip()
     if line != "registered":
         proc.kill()
