@@ -117,13 +117,18 @@ class ExposureTable:
             rows[i, 0] = (h << 16) | _STATE_OF_REASON[reason]
 
 
+def _ids(read_ids: Sequence[int] | npt.NDArray[Any]) -> tuple[int, ...]:
+    """The block ids an error names (built only on failure: the success path allocates nothing)."""
+    return tuple(int(b) for b in read_ids)
+
+
 def verify(
     bucket: npt.NDArray[Any],
     request_id: str,
     block_ids: npt.NDArray[np.int32],
     *,
     prefill_rank: int,
-    read_ids: Sequence[int] = (),
+    read_ids: Sequence[int] | npt.NDArray[Any] = (),
 ) -> UnsafeReadError | None:
     """Check a bucket read after the data reads: None if ``request_id`` is exposed with exactly
     ``block_ids``; else the typed error saying why the bytes cannot be trusted."""
@@ -131,13 +136,12 @@ def verify(
     h = request_hash(request_id)
     mine = rows[(rows[:, 0] >> 16) == h]
     where = f"request {request_id!r} on prefill rank {prefill_rank}"
-    ids = tuple(int(b) for b in read_ids)
     if not mine.size:
         return NotExposedError(
             f"{where} is not exposed (never exposed there, or released long ago): the blocks read "
             "may hold another request's KV",
             prefill_rank=prefill_rank,
-            block_ids=ids,
+            block_ids=_ids(read_ids),
         )
     token, fp, n = (int(x) for x in mine[0])
     state = token & 0xFFFF
@@ -145,20 +149,20 @@ def verify(
         return LeaseExpiredError(
             f"{where} was released by lease before the reads completed: raise the lease, or pull sooner",
             prefill_rank=prefill_rank,
-            block_ids=ids,
+            block_ids=_ids(read_ids),
         )
     if state != EXPOSED:
         how = "by the producer closing" if state == RELEASED_CLOSED else "after every reader notified"
         return ReleasedError(
             f"{where} was released ({how}) before the reads finished",
             prefill_rank=prefill_rank,
-            block_ids=ids,
+            block_ids=_ids(read_ids),
         )
     if n != block_ids.size or fp != digest(block_ids):
         return OutsideExposureError(
             f"{where} is exposed with {n} other block ids than the {block_ids.size} given: "
             "blocks outside its exposure were read",
             prefill_rank=prefill_rank,
-            block_ids=ids,
+            block_ids=_ids(read_ids),
         )
     return None

@@ -662,7 +662,7 @@ class TransferSession:
                 transfer.request_id,
                 transfer.remote_ids,
                 prefill_rank=rank,
-                read_ids=transfer.read_ids.tolist(),
+                read_ids=transfer.read_ids,
             )
             if error is not None:
                 return error
