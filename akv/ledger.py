@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,6 +39,8 @@ class Release:
             out first) or ``"closed"`` (the producer shut down first).
         notified: the decode ranks that notified.
         expected: how many were expected (None if none notified).
+        groups: multi-group caches: ``{group name: ids}`` (``block_ids`` holds them flat, each
+            group's ids offset by the groups before it); None for a one-group cache.
     """
 
     request_id: str
@@ -46,6 +48,7 @@ class Release:
     reason: ReleaseReason
     notified: int
     expected: int | None
+    groups: Mapping[str, npt.NDArray[np.int32]] | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +78,7 @@ class ReleaseLedger:
         accepts: Callable[[Notice], bool],
         table: ExposureTable | None = None,
         count: Callable[[str], None] | None = None,
+        split: Callable[[npt.NDArray[np.int32]], Mapping[str, npt.NDArray[np.int32]]] | None = None,
     ) -> None:
         check_lease(lease_s)
         self.num_blocks = num_blocks
@@ -86,6 +90,7 @@ class ReleaseLedger:
         self._deadlines: list[tuple[float, str]] = []
         self.counters: dict[str, int] = {}
         self._on_count = count
+        self._split = split
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -145,7 +150,8 @@ class ReleaseLedger:
         engine = max(exp.readers, key=lambda e: len(exp.readers[e]), default=None)
         expected = self.expected(exp.decode_tp[engine]) if engine is not None else None
         self._count(f"released_{reason}")
-        return Release(request_id, exp.block_ids, reason, notified, expected)
+        groups = self._split(exp.block_ids) if self._split is not None else None
+        return Release(request_id, exp.block_ids, reason, notified, expected, groups)
 
     def on_notice(self, notice: Notice, now: float) -> list[Release]:
         """Apply one decode rank's notice; returns the releases it completes."""

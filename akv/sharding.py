@@ -1,4 +1,9 @@
-"""Tensor-parallel head mapping between a prefill (P) and a decode (D) engine. Pure.
+"""Tensor-parallel mapping between a prefill (P) and a decode (D) engine, per component. Pure.
+
+A component is one sharded axis of ``units`` (KV heads, an MLA latent, Mamba / GDN
+channels or state heads); its ``shard`` mode is ``"heads"`` (split, or replicated when
+there are fewer units than ranks), ``"split"`` (always split) or ``"replicate"`` (MLA).
+The ``kv_heads`` / ``mla`` functions are the one-component case described below.
 
 Dense models: with ``H`` KV heads and TP size ``T``, rank ``r`` holds heads
 ``[r*H/T, (r+1)*H/T)`` when ``H >= T`` (``H % T == 0``), else the single head
@@ -28,12 +33,18 @@ __all__ = [
     "ReadPlan",
     "check_heads",
     "check_tp",
+    "check_units",
+    "component_notify",
+    "component_period",
+    "component_reads",
     "expected_notifications",
     "held_heads",
+    "held_units",
     "holders",
     "notify_ranks",
     "plan_reads",
     "read_period",
+    "unit_holders",
 ]
 
 
@@ -67,42 +78,71 @@ def check_tp(rank: int, tp_size: int) -> None:
 
 def check_heads(tp_size: int, kv_heads: int) -> None:
     """Raise [`ConfigError`][akv.errors.ConfigError] unless the heads split evenly or replicate evenly."""
+    check_units(tp_size, kv_heads, "heads", "KV heads")
+
+
+def check_units(tp_size: int, units: int, shard: str, what: str = "units") -> None:
+    """Raise [`ConfigError`][akv.errors.ConfigError] unless ``units`` shard over ``tp_size``
+    ranks the way ``shard`` says (``"heads"``, ``"split"`` or ``"replicate"``)."""
     if tp_size < 1:
         raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
-    if kv_heads < 1:
-        raise ConfigError(f"kv_heads must be >= 1, got {kv_heads}")
-    if kv_heads % tp_size and tp_size % kv_heads:
+    if units < 1:
+        raise ConfigError(f"{what} must be >= 1, got {units}")
+    if shard == "split" and units % tp_size:
         raise ConfigError(
-            f"{kv_heads} KV heads cannot be split over TP size {tp_size}: one must divide "
-            f"the other (use a TP size that divides {kv_heads} or is a multiple of it)"
+            f"{what}: {units} units cannot be split over TP size {tp_size} "
+            f"(use a TP size that divides {units})"
         )
+    if shard == "heads" and units % tp_size and tp_size % units:
+        raise ConfigError(
+            f"{units} {what} cannot be split over TP size {tp_size}: one must divide "
+            f"the other (use a TP size that divides {units} or is a multiple of it)"
+        )
+    if shard not in ("heads", "split", "replicate"):
+        raise ConfigError(f"{what}: unknown shard mode {shard!r} (heads, split or replicate)")
+
+
+def held_units(rank: int, tp_size: int, units: int, shard: str = "heads", *, what: str = "units") -> range:
+    """The global units ``rank`` of a TP group of ``tp_size`` holds: a split share, a
+    replicated unit (``"heads"`` with fewer units than ranks), or all (``"replicate"``)."""
+    check_units(tp_size, units, shard, what)
+    check_tp(rank, tp_size)
+    if shard == "replicate":
+        return range(units)
+    if units >= tp_size:
+        per = units // tp_size
+        return range(rank * per, rank * per + per)
+    unit = rank * units // tp_size
+    return range(unit, unit + 1)
+
+
+def unit_holders(unit: int, tp_size: int, units: int, shard: str = "heads") -> range:
+    """The ranks of a TP group of ``tp_size`` that hold global ``unit``."""
+    check_units(tp_size, units, shard)
+    if not 0 <= unit < units:
+        raise ConfigError(f"unit {unit} is outside [0, {units})")
+    if shard == "replicate":
+        return range(tp_size)
+    if units >= tp_size:
+        rank = unit // (units // tp_size)
+        return range(rank, rank + 1)
+    reps = tp_size // units
+    return range(unit * reps, unit * reps + reps)
 
 
 def held_heads(rank: int, tp_size: int, kv_heads: int) -> range:
     """The global KV heads that ``rank`` of a TP group of ``tp_size`` holds, for a model of
     ``kv_heads`` KV heads (replicated over several ranks when ``kv_heads < tp_size``)."""
-    check_heads(tp_size, kv_heads)
-    check_tp(rank, tp_size)
-    if kv_heads >= tp_size:
-        per = kv_heads // tp_size
-        return range(rank * per, rank * per + per)
-    head = rank * kv_heads // tp_size
-    return range(head, head + 1)
+    return held_units(rank, tp_size, kv_heads, "heads", what="KV heads")
 
 
 def holders(head: int, tp_size: int, kv_heads: int) -> range:
     """The ranks of a TP group of ``tp_size`` that hold global head ``head``."""
-    check_heads(tp_size, kv_heads)
-    if not 0 <= head < kv_heads:
-        raise ConfigError(f"head {head} is outside [0, {kv_heads})")
-    if kv_heads >= tp_size:
-        rank = head // (kv_heads // tp_size)
-        return range(rank, rank + 1)
-    reps = tp_size // kv_heads
-    return range(head * reps, head * reps + reps)
+    return unit_holders(head, tp_size, kv_heads, "heads")
 
 
-def _mla_assigned(decode_rank: int, decode_tp: int, prefill_tp: int) -> range:
+def _assigned(decode_rank: int, decode_tp: int, prefill_tp: int) -> range:
+    """Replicated components: the prefill ranks assigned to a decode rank (covering all of them)."""
     if prefill_tp >= decode_tp:
         # p is assigned to p*D//P: a contiguous run of prefill ranks per decode rank.
         first = -(-decode_rank * prefill_tp // decode_tp)
@@ -112,35 +152,80 @@ def _mla_assigned(decode_rank: int, decode_tp: int, prefill_tp: int) -> range:
     return range(p, p + 1)
 
 
-def _check_pair(decode_rank: int, decode_tp: int, prefill_tp: int, kv_heads: int, mla: bool) -> None:
+def _check_pair(decode_rank: int, decode_tp: int, prefill_tp: int, units: int, shard: str) -> None:
     check_tp(decode_rank, decode_tp)
     check_tp(0, prefill_tp)
-    if not mla:
-        check_heads(decode_tp, kv_heads)
-        check_heads(prefill_tp, kv_heads)
+    check_units(decode_tp, units, shard)
+    check_units(prefill_tp, units, shard)
+
+
+def component_notify(
+    decode_rank: int, decode_tp: int, prefill_tp: int, units: int, shard: str
+) -> tuple[int, ...]:
+    """The prefill ranks ``decode_rank`` notifies for one component (request independent)."""
+    _check_pair(decode_rank, decode_tp, prefill_tp, units, shard)
+    if shard == "replicate":
+        return tuple(_assigned(decode_rank, decode_tp, prefill_tp))
+    ranks: set[int] = set()
+    for unit in held_units(decode_rank, decode_tp, units, shard):
+        ranks.update(unit_holders(unit, prefill_tp, units, shard))
+    return tuple(sorted(ranks))
+
+
+def component_period(decode_rank: int, decode_tp: int, prefill_tp: int, units: int, shard: str) -> int:
+    """How many request keys it takes for one component's replica choice to repeat."""
+    _check_pair(decode_rank, decode_tp, prefill_tp, units, shard)
+    if shard == "replicate":
+        return len(_assigned(decode_rank, decode_tp, prefill_tp))
+    return max(1, prefill_tp // units) if shard == "heads" else 1
+
+
+def component_reads(
+    decode_rank: int, decode_tp: int, prefill_tp: int, units: int, shard: str, request_key: int = 0
+) -> tuple[HeadRead, ...]:
+    """The reads of one component: each unit ``decode_rank`` holds, once, from one prefill
+    rank holding it; consecutive units from one prefill rank form one read."""
+    if shard == "replicate":
+        notify = component_notify(decode_rank, decode_tp, prefill_tp, units, shard)
+        target = notify[request_key % len(notify)]
+        return (HeadRead(target, range(units), range(units)),)
+    _check_pair(decode_rank, decode_tp, prefill_tp, units, shard)
+    mine = held_units(decode_rank, decode_tp, units, shard)
+    chosen: list[tuple[int, int]] = []  # (global unit, prefill rank)
+    for unit in mine:
+        replicas = unit_holders(unit, prefill_tp, units, shard)
+        slot = decode_rank - unit_holders(unit, decode_tp, units, shard).start
+        chosen.append((unit, replicas[(request_key + slot) % len(replicas)]))
+    reads: list[HeadRead] = []
+    start = 0
+    for i in range(1, len(chosen) + 1):
+        if i < len(chosen) and chosen[i][1] == chosen[start][1]:
+            continue
+        unit0, rank = chosen[start]
+        remote0 = unit0 - held_units(rank, prefill_tp, units, shard).start
+        count = i - start
+        local0 = unit0 - mine.start
+        reads.append(HeadRead(rank, range(local0, local0 + count), range(remote0, remote0 + count)))
+        start = i
+    return tuple(reads)
+
+
+def _mode(mla: bool) -> str:
+    return "replicate" if mla else "heads"
 
 
 def notify_ranks(
     *, decode_rank: int, decode_tp: int, prefill_tp: int, kv_heads: int, mla: bool = False
 ) -> tuple[int, ...]:
     """The prefill ranks ``decode_rank`` notifies for every request (request independent)."""
-    _check_pair(decode_rank, decode_tp, prefill_tp, kv_heads, mla)
-    if mla:
-        return tuple(_mla_assigned(decode_rank, decode_tp, prefill_tp))
-    ranks: set[int] = set()
-    for head in held_heads(decode_rank, decode_tp, kv_heads):
-        ranks.update(holders(head, prefill_tp, kv_heads))
-    return tuple(sorted(ranks))
+    return component_notify(decode_rank, decode_tp, prefill_tp, 1 if mla else kv_heads, _mode(mla))
 
 
 def read_period(
     *, decode_rank: int, decode_tp: int, prefill_tp: int, kv_heads: int, mla: bool = False
 ) -> int:
     """How many request keys it takes for the replica choice to repeat (1: no choice)."""
-    _check_pair(decode_rank, decode_tp, prefill_tp, kv_heads, mla)
-    if mla:
-        return len(_mla_assigned(decode_rank, decode_tp, prefill_tp))
-    return max(1, prefill_tp // kv_heads)
+    return component_period(decode_rank, decode_tp, prefill_tp, 1 if mla else kv_heads, _mode(mla))
 
 
 def plan_reads(
@@ -166,36 +251,10 @@ def plan_reads(
         a ``ReadPlan``: ``reads`` (``HeadRead``s: ``remote_rank``, and half-open ``local_heads``
         and ``remote_heads`` ranges on each side's own head axis) and ``notify`` (prefill ranks).
     """
-    notify = notify_ranks(
-        decode_rank=decode_rank,
-        decode_tp=decode_tp,
-        prefill_tp=prefill_tp,
-        kv_heads=kv_heads,
-        mla=mla,
-    )
-    if mla:
-        target = notify[request_key % len(notify)]
-        return ReadPlan((HeadRead(target, range(0, 1), range(0, 1)),), notify)
-
-    mine = held_heads(decode_rank, decode_tp, kv_heads)
-    chosen: list[tuple[int, int]] = []  # (global head, prefill rank)
-    for head in mine:
-        replicas = holders(head, prefill_tp, kv_heads)
-        slot = decode_rank - holders(head, decode_tp, kv_heads).start
-        chosen.append((head, replicas[(request_key + slot) % len(replicas)]))
-
-    reads: list[HeadRead] = []
-    start = 0
-    for i in range(1, len(chosen) + 1):
-        if i < len(chosen) and chosen[i][1] == chosen[start][1]:
-            continue
-        head0, rank = chosen[start]
-        remote0 = head0 - held_heads(rank, prefill_tp, kv_heads).start
-        count = i - start
-        local0 = head0 - mine.start
-        reads.append(HeadRead(rank, range(local0, local0 + count), range(remote0, remote0 + count)))
-        start = i
-    return ReadPlan(tuple(reads), notify)
+    units = 1 if mla else kv_heads
+    notify = component_notify(decode_rank, decode_tp, prefill_tp, units, _mode(mla))
+    reads = component_reads(decode_rank, decode_tp, prefill_tp, units, _mode(mla), request_key)
+    return ReadPlan(reads, notify)
 
 
 def expected_notifications(
@@ -205,16 +264,8 @@ def expected_notifications(
     ``prefill_tp`` engine for each request, for a model of ``kv_heads`` KV heads (or ``mla``)."""
     check_tp(prefill_rank, prefill_tp)
     check_tp(0, decode_tp)
-    if mla:
-        if prefill_tp >= decode_tp:
-            return 1
-        # decode ranks d with d*P//D == p
-        first = -(-prefill_rank * decode_tp // prefill_tp)
-        last = -(-(prefill_rank + 1) * decode_tp // prefill_tp)
-        return last - first
-    check_heads(decode_tp, kv_heads)
-    check_heads(prefill_tp, kv_heads)
-    ranks: set[int] = set()
-    for head in held_heads(prefill_rank, prefill_tp, kv_heads):
-        ranks.update(holders(head, decode_tp, kv_heads))
-    return len(ranks)
+    units = 1 if mla else kv_heads
+    return sum(
+        prefill_rank in component_notify(d, decode_tp, prefill_tp, units, _mode(mla))
+        for d in range(decode_tp)
+    )

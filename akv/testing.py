@@ -1,9 +1,10 @@
 """Helpers for tests, examples, demos and benchmarks: deterministic KV contents, filling and
 verifying caches, announced requests, and ``akv`` processes with their JSON lines.
 
-Contents: byte ``i`` of the element at (layer, K/V, global head, token of the request, dim)
-of request ``seed`` gets a hash of those global indices, so any misplaced head, token,
-layer, K/V plane or block shows up when a decode rank compares its cache with
+Contents: byte ``i`` of the unit at (group, model layer, component, global unit, token of
+the request) of request ``seed`` gets a hash of those global indices, so any misplaced
+group, layer, component (K/V plane, conv piece, state), unit, token or block shows up when
+a decode rank compares its cache with
 [`expected_blocks`][akv.testing.expected_blocks]. torch is imported only by the functions that touch tensors.
 """
 
@@ -20,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from akv import sharding
 from akv.errors import AkvError, ConfigError
 from akv.geometry.spec import KVSpec
 from akv.protocol.messages import RequestInfo
@@ -47,8 +47,61 @@ __all__ = [
 ]
 
 
+def _seed_base(seed: int, group: int, layer: int, component: int) -> int:
+    """A 64-bit base per (request, group, model layer, component); units, tokens and bytes add to it."""
+    x = (((seed & 0xFFFF) * 64 + group) * 4096 + layer) * 64 + component
+    x = (x * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def _region_pattern(
+    spec: Any, tp_rank: int, tp_size: int, region: int, seed: int, positions: npt.ArrayLike
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+    """Expected bytes of some blocks of one region, and the token position of each byte
+    (``-1`` for state groups), both ``(len(positions), block_bytes)``."""
+    from akv.geometry.cache import as_cache
+    from akv.geometry.layout import rank_layout
+
+    cache = as_cache(spec)
+    layout = rank_layout(cache, tp_rank, tp_size)
+    starts = np.cumsum([0] + [len(x.shapes) for x in layout.groups])
+    if not 0 <= region < starts[-1]:
+        raise ConfigError(f"region {region} is outside the {len(layout.shapes)} regions of rank {tp_rank}")
+    gi = int(np.searchsorted(starts, region, side="right")) - 1
+    gl = layout.groups[gi]
+    g = gl.group
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    width = next(p.block for p in gl.placements if region in p.regions)
+    values = np.zeros((pos.size, width), dtype=np.uint8)
+    tokens = np.full((pos.size, width), -1, dtype=np.int64)
+    tok = np.arange(g.block_size if g.tokens else 1, dtype=np.int64)
+    for ci, p in enumerate(gl.placements):
+        units = np.arange(p.units.start, p.units.stop, dtype=np.int64)[:, None, None]
+        t = tok[None, :, None]
+        b = np.arange(p.run, dtype=np.int64)[None, None, :]
+        for i, r in enumerate(p.regions):
+            if r != region:
+                continue
+            off = (p.offset + i * p.layer + (units - units[0, 0, 0]) * p.unit + t * p.token + b).reshape(-1)
+            where = (
+                (pos[:, None] * g.block_size + tok[None, :])
+                if g.tokens
+                else np.zeros((pos.size, 1), np.int64)
+            )
+            key = (
+                np.uint64(_seed_base(seed, gi, g.layers[i], ci))
+                + (units.astype(np.uint64) << np.uint64(40))
+                + (where[:, None, :, None].astype(np.uint64) << np.uint64(20))
+                + b.astype(np.uint64)
+            )
+            values[:, off] = _mix(key).astype(np.uint8).reshape(pos.size, -1)
+            if g.tokens:
+                tokens[:, off] = np.broadcast_to(where[:, None, :, None], key.shape).reshape(pos.size, -1)
+    return values, tokens
+
+
 def expected_blocks(
-    spec: KVSpec,
+    spec: Any,
     tp_rank: int,
     tp_size: int,
     region: int,
@@ -58,50 +111,20 @@ def expected_blocks(
     """The expected bytes of some blocks of one request in one region of one rank.
 
     Args:
-        spec: the cache description.
+        spec: the cache description ([`KVSpec`][akv.KVSpec] or [`CacheSpec`][akv.CacheSpec]).
         tp_rank: the rank, in ``[0, tp_size)``.
         tp_size: its engine's TP size.
-        region: the region index (layer-major, K before V).
+        region: the region index, as [`allocate_kv_cache`][akv.allocate_kv_cache] orders them.
         seed: the request's seed (its contents differ per seed).
-        positions: block indices within the request (0 for its first block).
+        positions: block indices within the request's sequence (0 for its first block).
 
     Returns:
         an array of shape ``(len(positions), block_bytes)``, in the rank's own layout.
     """
-    pos = np.asarray(positions, dtype=np.int64)
-    seed &= 0xFFFF
-    nbytes = spec.head_dim * spec.element_size
-    if spec.kind == "mla":
-        layer, kvs, heads = region, np.zeros(1, np.int64), np.zeros(1, np.int64)
-    else:
-        held = sharding.held_heads(tp_rank, tp_size, spec.kv_heads)
-        heads = np.arange(held.start, held.stop, dtype=np.int64)
-        if spec.joint_kv:
-            layer, kvs = region, np.arange(2, dtype=np.int64)
-        else:
-            layer, kvs = region // 2, np.array([region % 2], dtype=np.int64)
-    tokens = np.arange(spec.block_size, dtype=np.int64)
-    byte = np.arange(nbytes, dtype=np.int64)
-    # Axes: (pos, kv, head, token, byte); NHD swaps head and token.
-    key = (
-        (
-            ((seed * 1_000_003 + layer) * 2 + kvs[None, :, None, None, None]) * 4096
-            + heads[None, None, :, None, None]
-        )
-        * 65_536
-        + pos[:, None, None, None, None] * spec.block_size
-        + tokens[None, None, None, :, None]
-    ) * 65_536 + byte[None, None, None, None, :]
-    mixed = _mix(key)
-    out = mixed.astype(np.uint8)
-    if spec.layout == "NHD" and spec.kind == "dense":
-        out = out.transpose(0, 1, 3, 2, 4)
-    if not spec.joint_kv:
-        out = out[:, 0]
-    return np.ascontiguousarray(out).reshape(len(pos), -1)
+    return _region_pattern(spec, tp_rank, tp_size, region, seed, positions)[0]
 
 
-def _mix(key: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+def _mix(key: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     x = key.astype(np.uint64)
     x ^= x >> np.uint64(29)
     x *= np.uint64(0xBF58476D1CE4E5B9)
@@ -119,58 +142,143 @@ def _block_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return t.view(torch.uint8).view(num_blocks, -1)
 
 
+def _groups(spec: Any, block_ids: Any) -> list[tuple[int, Any, list[int], Any]]:
+    """(group index, group, its ids, its region indices) for every group given ids."""
+    from akv.geometry.cache import as_cache
+
+    cache = as_cache(spec)
+    per = cache.per_group(block_ids, "block_ids")
+    out, first = [], 0
+    for gi, (g, ids) in enumerate(zip(cache.groups, per, strict=True)):
+        from akv.geometry.layout import group_layout
+
+        n = len(group_layout(g, 0, 1).shapes)
+        out.append((gi, g, ids.tolist(), range(first, first + n)))
+        first += n
+    return out
+
+
+def _positions(group: Any, count: int, num_tokens: int | None) -> npt.NDArray[np.int64]:
+    """Sequence block positions of a group's ``count`` ids (the last blocks of the sequence)."""
+    if not group.tokens:
+        return np.zeros(count, dtype=np.int64)
+    total = -(-num_tokens // group.block_size) if num_tokens else count
+    return np.arange(total - count, total, dtype=np.int64)
+
+
 def fill_request(
-    kv: Sequence[torch.Tensor], spec: KVSpec, rank: int, size: int, block_ids: Sequence[int], seed: int
+    kv: Sequence[torch.Tensor],
+    spec: Any,
+    rank: int,
+    size: int,
+    block_ids: Any,
+    seed: int,
+    num_tokens: int | None = None,
 ) -> None:
     """Write request ``seed``'s deterministic contents into ``block_ids`` of one rank's cache:
-    ``kv`` of rank ``rank`` of ``size``, described by ``spec``."""
+    ``kv`` of rank ``rank`` of ``size``, described by ``spec``.
+
+    ``block_ids``: flat for a one-group cache, else ``{group: ids}``; each list names the last
+    blocks of a sequence of ``num_tokens`` tokens (default: the ids fill whole blocks).
+    """
     import torch
 
-    idx = torch.as_tensor(list(block_ids))
-    positions = np.arange(len(block_ids))
-    for region, t in enumerate(kv):
-        _block_view(t, spec.num_blocks)[idx] = torch.from_numpy(
-            expected_blocks(spec, rank, size, region, seed, positions)
-        )
+    for _, g, ids, regions in _groups(spec, block_ids):
+        if not ids:
+            continue
+        idx = torch.as_tensor(ids)
+        pos = _positions(g, len(ids), num_tokens)
+        for region in regions:
+            want = _region_pattern(spec, rank, size, region, seed, pos)[0]
+            _block_view(kv[region], g.num_blocks)[idx] = torch.from_numpy(want).to(kv[region].device)
 
 
 def verify_request(
     kv: Sequence[torch.Tensor],
-    spec: KVSpec,
+    spec: Any,
     rank: int,
     size: int,
-    block_ids: Sequence[int],
+    block_ids: Any,
     seed: int,
-    positions: npt.ArrayLike,
+    positions: npt.ArrayLike | None = None,
+    *,
+    num_tokens: int | None = None,
 ) -> bool:
-    """True if ``block_ids`` of one rank's cache (``kv`` of rank ``rank`` of ``size``, described
-    by ``spec``) hold request ``seed``'s blocks at ``positions`` (block indices within the request)."""
-    idx = list(block_ids)
-    pos = np.asarray(positions)
-    for region, t in enumerate(kv):
-        got = _block_view(t, spec.num_blocks)[idx].cpu().numpy()
-        if not np.array_equal(got, expected_blocks(spec, rank, size, region, seed, pos)):
-            return False
+    """True if one decode rank's cache (`kv` of rank `rank` of `size`, described by `spec`)
+    holds what a pull of request ``seed`` had to read.
+
+    With ``positions`` (one-group caches): the whole blocks ``block_ids`` hold the request's
+    blocks at ``positions``. Without: ``block_ids`` (flat or ``{group: ids}``) name the last
+    blocks of a ``num_tokens``-token sequence, and every token a pull reads (each group's own
+    prefix hit; sliding groups: only the window; state groups: the slot) must match.
+    """
+    groups = _groups(spec, block_ids)
+    if positions is not None:
+        pos = np.asarray(positions, dtype=np.int64)
+        for _, g, ids, regions in groups:
+            for region in regions:
+                got = _block_view(kv[region], g.num_blocks)[ids].cpu().numpy()
+                if not np.array_equal(got, _region_pattern(spec, rank, size, region, seed, pos)[0]):
+                    return False
+        return True
+    for _, g, ids, regions in groups:
+        if not ids:
+            continue
+        pos = _positions(g, len(ids), num_tokens)
+        n = num_tokens if num_tokens else len(ids) * g.block_size
+        start = int(pos[0]) * g.block_size
+        if g.kind == "sliding":
+            start = max(start, n - g.window)
+        for region in regions:
+            want, tok = _region_pattern(spec, rank, size, region, seed, pos)
+            got = _block_view(kv[region], g.num_blocks)[ids].cpu().numpy()
+            mask = (tok < 0) | ((tok >= start) & (tok < n)) if g.tokens else np.ones_like(tok, dtype=bool)
+            if not np.array_equal(got[mask], want[mask]):
+                return False
     return True
 
 
-def make_requests(spec: KVSpec, count: int, per_request: int, seed: int) -> list[RequestInfo]:
-    """``count`` deterministic requests of ``per_request`` blocks each, over distinct, shuffled
-    (fragmented) blocks of ``spec``'s pool; ``seed`` picks the ids and blocks.
+def make_requests(spec: Any, count: int, per_request: int, seed: int) -> list[RequestInfo]:
+    """``count`` deterministic requests over distinct, shuffled (fragmented) blocks of each
+    group's pool of `spec`; ``seed`` picks the ids and blocks. Full and MLA groups get ``per_request``
+    blocks each, sliding groups the blocks of their window, state groups one slot; a
+    one-group cache gets flat id lists.
 
-    Raises [`ConfigError`][akv.errors.ConfigError] if the pool is too small.
+    Raises [`ConfigError`][akv.errors.ConfigError] if a pool is too small.
     """
-    if count * per_request > spec.num_blocks:
-        raise ConfigError(
-            f"{count} requests x {per_request} blocks exceed the {spec.num_blocks}-block pool: "
-            "raise --blocks or lower --requests/--blocks-per-request"
+    from akv.geometry.cache import as_cache
+
+    cache = as_cache(spec)
+    rng = np.random.default_rng(seed)
+    tokens_group = next((g for g in cache.groups if g.kind in ("full", "mla")), cache.groups[0])
+    num_tokens = per_request * tokens_group.block_size if tokens_group.tokens else 0
+    ids: dict[str, list[list[int]]] = {}
+    for g in cache.groups:
+        if not g.tokens:
+            need = 1
+        elif g.kind == "sliding":
+            total = -(-num_tokens // g.block_size)
+            need = min(total, -(-g.window // g.block_size) + 1)
+        else:
+            need = -(-num_tokens // g.block_size) if num_tokens else per_request
+        if count * need > g.num_blocks:
+            raise ConfigError(
+                f"{count} requests x {need} blocks exceed the {g.num_blocks}-block pool of group {g.name!r}: "
+                "raise --blocks or lower --requests/--blocks-per-request"
+            )
+        order = (
+            rng.permutation(g.num_blocks)
+            if len(cache.groups) > 1
+            else np.random.default_rng(seed).permutation(g.num_blocks)
         )
-    order = np.random.default_rng(seed).permutation(spec.num_blocks)
+        ids[g.name] = [order[i * need : (i + 1) * need].tolist() for i in range(count)]
+    single = len(cache.groups) == 1
     return [
         RequestInfo(
             request_id=f"req-{seed}-{i}",
-            block_ids=order[i * per_request : (i + 1) * per_request].tolist(),
+            block_ids=ids[cache.groups[0].name][i] if single else {n: v[i] for n, v in ids.items()},
             seed=i + 1,
+            num_tokens=0 if single else num_tokens,
         )
         for i in range(count)
     ]
@@ -277,6 +385,7 @@ async def fetch_requests(
     """Ask the prefill engine at ``endpoint`` (any engine address: its rank 0 answers) which
     requests it exposed (the demo's stand-in for a router), as decode engine ``engine_id``
     with the model ``spec`` and ``secret``."""
+    from akv.geometry.cache import as_cache
     from akv.protocol.address import BootstrapAddress, EtcdAddress, parse_engine_address
     from akv.protocol.handshake import resolve_secret
     from akv.protocol.messages import Hello
@@ -297,7 +406,7 @@ async def fetch_requests(
         engine_id=engine_id,
         tp_rank=0,
         tp_size=1,
-        spec=spec,
+        spec=as_cache(spec),
         compat=spec.compat_hash(),
         nonce=secrets.token_bytes(16),
     )

@@ -164,12 +164,19 @@ async def test_secret_required_and_checked() -> None:
 async def test_incompatible_peer_names_fields_and_server_keeps_serving() -> None:
     """A decode engine with another model shape is refused naming the fields; others still connect."""
     spec = make_spec(block_size=4)
-    other = make_spec(block_size=8, head_dim=16)
+    other = make_spec(block_size=8, head_dim=16, layers=3)
     async with prefill_engine(spec, 1) as engine:
         async with decode_engine(other, 1, retries=0) as (consumer,):
             with pytest.raises(akv.IncompatiblePeerError) as info:
                 await consumer.connect(engine.endpoint)
-            assert set(info.value.fields) == {"block_size", "head_dim"}
+            # block sizes that divide each other are fine; structure is compared per field
+            assert set(info.value.fields) == {"kv.layers", "kv.k.unit_elems", "kv.v.unit_elems"}
+            assert "group 'kv' component 'k' unit_elems: decode=16 prefill=8" in str(info.value)
+        odd = make_spec(block_size=6)
+        async with decode_engine(odd, 1, retries=0) as (consumer,):
+            with pytest.raises(akv.IncompatiblePeerError, match="multiples of each other") as info:
+                await consumer.connect(engine.endpoint)
+            assert info.value.fields == ("kv.block_size",)
         async with decode_engine(spec, 1) as (consumer,):
             assert await consumer.connect(engine.endpoint)
 

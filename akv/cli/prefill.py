@@ -112,7 +112,7 @@ async def run_prefill(
     )
     kv = allocate_kv_cache(spec, rank, size)
     for req in requests if not a.no_fill else ():
-        fill_request(kv, spec, rank, size, req.block_ids, req.seed)
+        fill_request(kv, spec, rank, size, req.block_ids, req.seed, req.num_tokens or None)
     producer = Producer(
         kv,
         spec,

@@ -1,5 +1,7 @@
-"""KV-cache specs: the shape of one rank's paged KV cache, and what a handshake compares.
+"""KV-cache specs: one uniform group of layers (dense or MLA), the common case.
 
+A [`KVSpec`][akv.KVSpec] is shorthand for a one-group [`CacheSpec`][akv.CacheSpec]
+(`KVSpec.to_cache`); hybrid models describe several groups with a `CacheSpec`.
 A rank's cache is a list of *regions* (one contiguous tensor each), ordered layer-major.
 Each region's first axis is the block id. Per layout, one region's tensor shape is:
 
@@ -9,33 +11,27 @@ dense, NHD                ``(num_blocks, block_size, local_heads, head_dim)`` (K
 dense, HND, ``joint_kv``  ``(num_blocks, 2, local_heads, block_size, head_dim)``
 dense, NHD, ``joint_kv``  ``(num_blocks, 2, block_size, local_heads, head_dim)``
 MLA                       ``(num_blocks, block_size, head_dim)`` (the latent cache)
+cross-layer               ``(num_blocks, layers, 2, local_heads, block_size, head_dim)``
+head-major                ``(num_blocks, local_heads, layers, 2, block_size, head_dim)``
 ========================  =========================================================
+
+The ``cross-layer`` and ``head-major`` layouts have one region for the whole cache (see
+[`akv.geometry.layout`][akv.geometry.layout]).
 
 Dense layouts without ``joint_kv`` have two regions per layer (K then V); the others one.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Literal
 
 import msgspec
 
 from akv import sharding
 from akv.errors import ConfigError
+from akv.geometry.cache import DTYPE_SIZES, CacheSpec, Component, Group
 
 __all__ = ["COMPAT_FIELDS", "DTYPE_SIZES", "KVSpec"]
-
-#: Bytes per element of each supported dtype name.
-DTYPE_SIZES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 
 #: The spec fields two engines must agree on to exchange blocks (``num_blocks`` may differ).
 COMPAT_FIELDS: tuple[str, ...] = (
@@ -76,8 +72,32 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
     head_dim: int
     dtype: str = "bfloat16"
     kind: Literal["dense", "mla"] = "dense"
-    layout: Literal["HND", "NHD"] = "HND"
+    layout: Literal["HND", "NHD", "cross-layer", "head-major"] = "HND"
     joint_kv: bool = False
+
+    def to_cache(self, name: str = "kv") -> CacheSpec:
+        """This spec as a one-group [`CacheSpec`][akv.CacheSpec] (group ``name``)."""
+        if self.kind == "mla":
+            comps: tuple[Component, ...] = (
+                Component(name="latent", units=1, unit_elems=self.head_dim, shard="replicate"),
+            )
+        else:
+            comps = tuple(
+                Component(name=n, units=self.kv_heads, unit_elems=self.head_dim, shard="heads")
+                for n in ("k", "v")
+            )
+        group = Group(
+            name=name,
+            kind="mla" if self.kind == "mla" else "full",
+            layers=tuple(range(self.layers)),
+            components=comps,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            layout=self.layout,
+            joint_kv=self.joint_kv,
+        )
+        return CacheSpec(groups=(group,))
 
     @classmethod
     def create(cls, **fields: object) -> KVSpec:
@@ -102,6 +122,8 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"unsupported dtype {self.dtype!r}; use one of {sorted(DTYPE_SIZES)}")
         if self.kind == "mla" and self.joint_kv:
             raise ConfigError("an MLA cache has no separate K and V: set joint_kv=False")
+        if self.joint_kv and self.layout not in ("HND", "NHD"):
+            raise ConfigError(f"joint_kv is for the per-layer layouts (HND, NHD), not {self.layout!r}")
 
     # -- geometry -------------------------------------------------------------------------
 
@@ -112,12 +134,17 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def regions_per_layer(self) -> int:
-        """Regions (tensors) per layer: 2 for dense K/V in separate tensors, else 1."""
+        """Regions (tensors) per layer: 2 for dense K/V in separate tensors, else 1 (0 for the
+        layouts with one region for every layer)."""
+        if self.layout in ("cross-layer", "head-major"):
+            return 0
         return 2 if self.kind == "dense" and not self.joint_kv else 1
 
     @property
     def num_regions(self) -> int:
         """Total number of regions (tensors) of one rank."""
+        if self.layout in ("cross-layer", "head-major"):
+            return 1
         return self.layers * self.regions_per_layer
 
     @property
@@ -138,7 +165,10 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def block_bytes(self, tp_rank: int, tp_size: int) -> int:
         """Bytes of one block in one region of rank ``tp_rank`` of ``tp_size``."""
-        return self.planes * self.local_heads(tp_rank, tp_size) * self.head_bytes()
+        from akv.geometry.layout import group_layout
+
+        gl = group_layout(self.to_cache().groups[0], tp_rank, tp_size)
+        return gl.block_bytes // len(gl.shapes)
 
     def region_shape(self, tp_rank: int, tp_size: int) -> tuple[int, ...]:
         """The tensor shape of each region of rank ``tp_rank`` of a TP group of ``tp_size``.
@@ -148,12 +178,9 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
         ``joint_kv`` a ``2`` axis (K, V) after ``num_blocks`` in one region per layer; MLA
         ``(num_blocks, block_size, head_dim)``.
         """
-        n, b, d = self.num_blocks, self.block_size, self.head_dim
-        if self.kind == "mla":
-            return (n, b, d)
-        h = self.local_heads(tp_rank, tp_size)
-        inner = (h, b, d) if self.layout == "HND" else (b, h, d)
-        return (n, 2, *inner) if self.joint_kv else (n, *inner)
+        from akv.geometry.layout import group_layout
+
+        return group_layout(self.to_cache().groups[0], tp_rank, tp_size).shapes[0]
 
     # -- compatibility --------------------------------------------------------------------
 
@@ -162,9 +189,8 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
         return {name: getattr(self, name) for name in COMPAT_FIELDS}
 
     def compat_hash(self) -> str:
-        """A short stable hash of [`compat_dict`][akv.KVSpec.compat_dict], sent in the handshake."""
-        payload = msgspec.json.encode(self.compat_dict())
-        return hashlib.sha256(payload).hexdigest()[:16]
+        """The compat hash of [`to_cache`][akv.KVSpec.to_cache] (what handshakes compare)."""
+        return self.to_cache().compat_hash()
 
     def diff(self, other: KVSpec) -> tuple[str, ...]:
         """Names of the compatibility fields whose values differ from ``other``'s."""

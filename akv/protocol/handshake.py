@@ -33,7 +33,7 @@ from akv.errors import (
     ProtocolError,
     VersionMismatchError,
 )
-from akv.geometry.spec import KVSpec
+from akv.geometry.cache import CacheSpec, check_peer
 from akv.metrics import Metrics
 from akv.protocol.messages import (
     Challenge,
@@ -82,7 +82,7 @@ class HostedRank(Protocol):
     """What a prefill rank offers to the control server (implemented by Producer)."""
 
     engine_id: str
-    spec: KVSpec
+    cache: CacheSpec
     tp_rank: int
     tp_size: int
     lease_s: float
@@ -178,22 +178,23 @@ class ServerConversation:
             sharding.check_tp(msg.tp_rank, msg.tp_size)
         except ConfigError as exc:
             return self._fail("config", f"decode rank: {exc}")
-        differ = first.spec.diff(msg.spec)
-        if differ or msg.compat != first.spec.compat_hash():
-            detail = first.spec.describe_diff(msg.spec, "prefill", "decode")
-            return self._fail("incompatible", f"KV cache shapes differ ({detail or 'compat hash'})", differ)
-        if first.spec.kind == "dense":
-            try:
-                sharding.check_heads(msg.tp_size, first.spec.kv_heads)
-            except ConfigError as exc:
-                return self._fail("config", f"decode TP: {exc}")
+        try:
+            check_peer(msg.spec, first.cache)
+        except IncompatiblePeerError as exc:
+            return self._fail("incompatible", str(exc), list(exc.fields))
+        if msg.compat != first.cache.compat_hash():
+            return self._fail("incompatible", "KV caches differ (compat hash)", ["compat"])
+        try:
+            msg.spec.check_rank(msg.tp_rank, msg.tp_size)
+        except ConfigError as exc:
+            return self._fail("config", f"decode TP: {exc}")
         self.hello = msg
         self.state = "challenged"
         return [
             Challenge(
                 engine_id=first.engine_id,
                 tp_size=first.tp_size,
-                spec=first.spec,
+                spec=first.cache,
                 ranks=sorted(self.ranks),
                 nonce=self.nonce,
                 auth=self.secret is not None,

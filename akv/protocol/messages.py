@@ -21,7 +21,7 @@ from typing import Literal
 import msgspec
 
 from akv.errors import FrameError, ProtocolError, VersionMismatchError
-from akv.geometry.spec import KVSpec
+from akv.geometry.cache import CacheSpec
 
 __all__ = [
     "DEFAULT_CLIENT_MAX_FRAME",
@@ -65,7 +65,7 @@ class Hello(_Msg, frozen=True, tag=True, kw_only=True):
     engine_id: str
     tp_rank: int
     tp_size: int
-    spec: KVSpec
+    spec: CacheSpec
     compat: str
     nonce: bytes
     agent_name: str = ""  # the decode rank's NIXL agent: its notices are bound to it
@@ -76,7 +76,7 @@ class Challenge(_Msg, frozen=True, tag=True, kw_only=True):
 
     engine_id: str
     tp_size: int
-    spec: KVSpec
+    spec: CacheSpec
     ranks: list[int]
     nonce: bytes
     auth: bool
@@ -136,8 +136,9 @@ class RequestInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A request announced by a prefill engine (a router would carry this)."""
 
     request_id: str
-    block_ids: list[int]
+    block_ids: list[int] | dict[str, list[int]]  # flat for a one-group cache, else per group
     seed: int = 0
+    num_tokens: int = 0  # 0: the blocks are full
 
 
 class ListRequests(_Msg, frozen=True, tag=True, kw_only=True):

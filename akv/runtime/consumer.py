@@ -25,6 +25,7 @@ from akv.errors import (
     TransferError,
     TransferTimeout,
 )
+from akv.geometry.cache import CacheSpec
 from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
@@ -109,7 +110,7 @@ class Consumer(RankBase):
     def __init__(
         self,
         kv_caches: Sequence[torch.Tensor],
-        spec: KVSpec,
+        spec: KVSpec | CacheSpec,
         *,
         tp_rank: int,
         tp_size: int,
@@ -311,11 +312,7 @@ class Consumer(RankBase):
         self._tracker.discard(transfer.state)
         session.transfers.discard(transfer)
         # Reads carry their own notification; the other ranks (all, if nothing was read) get one now.
-        ranks = (
-            transfer.reads.standalone_notify
-            if transfer.read_ids.size
-            else (session.plan.notify if session.plan else ())
-        )
+        ranks = transfer.prepared.standalone
         if ranks:
             session.notify(ranks, transfer.notice)
         transfer.finish()
@@ -324,7 +321,7 @@ class Consumer(RankBase):
         self.metrics.observe_transfer(result.bytes, result.descriptors, result.seconds)
 
     def _stage_over(self, transfer: Transfer) -> None:
-        checking = self.verify_exposure and bool(transfer.reads.ops) and bool(transfer.read_ids.size)
+        checking = self.verify_exposure and bool(transfer.prepared.posts)
         if transfer.state.advance(checking) is Stage.CHECKING:
             try:
                 transfer.session.post_checks(transfer)

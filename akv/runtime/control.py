@@ -129,7 +129,7 @@ class ControlServer:
     def add(self, rank: HostedRank) -> None:
         """Host a prefill rank; all ranks of one server belong to one engine."""
         for other in self.ranks.values():
-            if (other.engine_id, other.tp_size, other.spec) != (rank.engine_id, rank.tp_size, rank.spec):
+            if (other.engine_id, other.tp_size, other.cache) != (rank.engine_id, rank.tp_size, rank.cache):
                 raise ConfigError("all ranks of one control server must share engine_id, tp_size and spec")
         if rank.tp_rank in self.ranks:
             raise ConfigError(f"prefill rank {rank.tp_rank} is already served here")
@@ -172,7 +172,7 @@ class ControlServer:
             raise ConfigError(
                 f"rank {msg.tp_rank} of TP size {msg.tp_size} does not fit this engine of TP size {first.tp_size}"
             )
-        if msg.compat != first.spec.compat_hash():
+        if msg.compat != first.cache.compat_hash():
             raise ConfigError(
                 f"rank {msg.tp_rank} describes another KV cache than rank 0 (compat hash differs)"
             )

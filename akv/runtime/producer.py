@@ -7,7 +7,7 @@ module feeds it NIXL notices and the clock and delivers its releases.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from akv.backends import mem_type
 from akv.errors import AkvError, ClosedError, ConfigError, HandshakeError, ProtocolError
 from akv.exposure import ExposureTable
+from akv.geometry.cache import CacheSpec
 from akv.geometry.spec import KVSpec
 from akv.ledger import Release, ReleaseLedger, ReleaseReason, check_lease
 from akv.protocol.address import Endpoint, check_engine_id, parse_endpoint
@@ -91,7 +92,7 @@ class Producer(RankBase):
     def __init__(
         self,
         kv_caches: Sequence[torch.Tensor],
-        spec: KVSpec,
+        spec: KVSpec | CacheSpec,
         *,
         tp_rank: int,
         tp_size: int,
@@ -151,12 +152,13 @@ class Producer(RankBase):
         self._warned: set[tuple[str, int]] = set()
         self._senders: dict[str, tuple[str, int, int]] = {}  # decode agent -> (engine, rank, tp)
         self.ledger = ReleaseLedger(
-            spec.num_blocks,
+            self.cache.total_blocks,
             lease_s=self.lease_s,
             expected=self.expected_notifications,
             accepts=self._accepts,
             table=ExposureTable(buckets=max(1, -(-max_exposed // 4))),
             count=self.metrics.inc,
+            split=self.cache.split if len(self.cache.groups) > 1 else None,
         )
         self._streams: list[MemoryObjectSendStream[Release]] = []
         self._info: RankInfo | None = None
@@ -180,7 +182,7 @@ class Producer(RankBase):
             from akv.runtime.discovery import EtcdRegistry, RankRecord
 
             record = RankRecord.create(
-                self.engine_id, self.tp_rank, self.tp_size, self.endpoint, compat=self.spec.compat_hash()
+                self.engine_id, self.tp_rank, self.tp_size, self.endpoint, compat=self.cache.compat_hash()
             )
             await tg.start(self._keep_in_etcd, EtcdRegistry(self.etcd, ttl=self.etcd_ttl), record)
 
@@ -201,7 +203,7 @@ class Producer(RankBase):
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             endpoint=str(self.endpoint),
-            compat=self.spec.compat_hash(),
+            compat=self.cache.compat_hash(),
         )
         started, warned, delay = False, False, 0.1
         while True:
@@ -269,7 +271,7 @@ class Producer(RankBase):
         """How many decode ranks of an engine with ``decode_tp`` notify this rank per request."""
         n = self._expected.get(decode_tp)
         if n is None:
-            n = self._expected[decode_tp] = self.spec.expected_notifications(
+            n = self._expected[decode_tp] = self.cache.expected_notifications(
                 self.tp_rank, self.tp_size, decode_tp
             )
         return n
@@ -277,13 +279,18 @@ class Producer(RankBase):
     # -- exposing -----------------------------------------------------------------------
 
     def expose(
-        self, request_id: str, block_ids: Sequence[int] | npt.ArrayLike, *, lease: float | None = None
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | npt.ArrayLike | Mapping[str, Sequence[int]],
+        *,
+        lease: float | None = None,
     ) -> None:
         """Pin a request's blocks until read by every expected decode rank or the lease ends.
 
         Args:
             request_id: the request's id, unique among this rank's exposed requests.
-            block_ids: the blocks holding its KV on this rank (at least one).
+            block_ids: the blocks holding its KV on this rank (at least one): a flat list for
+                a one-group cache, else ``{group name: ids}`` (state groups: one slot).
             lease: seconds it stays pinned without being read (default: the producer's).
 
         Raises:
@@ -294,7 +301,8 @@ class Producer(RankBase):
         """
         if not self.running:
             raise ClosedError("the producer is not running")
-        self.ledger.expose(request_id, block_ids, time.monotonic(), lease)
+        ids = self.cache.flatten(self.cache.per_group(block_ids, f"request {request_id!r}"))
+        self.ledger.expose(request_id, ids, time.monotonic(), lease)
         self._backoff.wake()
 
     def extend(self, request_id: str, seconds: float | None = None) -> None:
@@ -367,7 +375,7 @@ class Producer(RankBase):
         ok = self._notifiers.get(key)
         if ok is None:
             try:
-                ranks = self.spec.notify_ranks(decode_rank, decode_tp, self.tp_size)
+                ranks = self.cache.notify_ranks(decode_rank, decode_tp, self.tp_size)
             except ConfigError:
                 ranks = ()
             ok = self._notifiers[key] = self.tp_rank in ranks
@@ -440,8 +448,20 @@ class EngineRelease:
 
     @property
     def block_ids(self) -> npt.NDArray[np.int32]:
-        """The blocks now free on every rank (sorted; ranks usually share one block table)."""
+        """The blocks now free on every rank (sorted; ranks usually share one block table);
+        flat ids (group offset + id) for a multi-group cache, see `groups`."""
         return np.unique(np.concatenate([r.block_ids for r in self.ranks])).astype(np.int32)
+
+    @property
+    def groups(self) -> dict[str, npt.NDArray[np.int32]] | None:
+        """Multi-group caches: ``{group name: ids}`` now free on every rank (None for one group)."""
+        if self.ranks[0].groups is None:
+            return None
+        names = list(self.ranks[0].groups)
+        return {
+            n: np.unique(np.concatenate([r.groups[n] for r in self.ranks if r.groups])).astype(np.int32)
+            for n in names
+        }
 
 
 class EngineReleases:

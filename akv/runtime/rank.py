@@ -17,6 +17,7 @@ from anyio.abc import TaskGroup
 from akv._log import get_logger
 from akv._poll import Backoff
 from akv.errors import AkvError, ClosedError
+from akv.geometry.cache import CacheSpec, as_cache
 from akv.geometry.spec import KVSpec
 from akv.metrics import Metrics
 
@@ -52,7 +53,7 @@ class RankBase:
     def __init__(
         self,
         kv_caches: Sequence[torch.Tensor],
-        spec: KVSpec,
+        spec: KVSpec | CacheSpec,
         *,
         tp_rank: int,
         tp_size: int,
@@ -64,11 +65,13 @@ class RankBase:
     ) -> None:
         from akv.geometry.tensors import check_kv_cache
 
-        spec.validate()
-        spec.check_rank(tp_rank, tp_size)
-        check_kv_cache(kv_caches, spec, tp_rank, tp_size)
+        cache = as_cache(spec)
+        cache.validate()
+        cache.check_rank(tp_rank, tp_size)
+        check_kv_cache(kv_caches, cache, tp_rank, tp_size)
         self.kv_caches = list(kv_caches)
-        self.spec = spec
+        self.spec = spec  # as given
+        self.cache: CacheSpec = cache  # a KVSpec as its one-group CacheSpec
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.engine_id = engine_id

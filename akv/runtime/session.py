@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 import sys
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +33,8 @@ from akv.errors import (
     TransferTimeout,
     UnsafeReadError,
 )
-from akv.geometry.spec import KVSpec
-from akv.plan import RankMemory, ReadOp, RequestReads, TransferPlan, request_key
+from akv.geometry.cache import CacheSpec
+from akv.plan import Prepared, RankMemory, ReadOp, TransferPlan
 from akv.protocol.address import (
     BootstrapAddress,
     Endpoint,
@@ -60,19 +60,26 @@ __all__ = ["PullRequest", "Transfer", "TransferResult", "TransferSession"]
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
     """What to pull: the prefill engine's block ids of a request, and where they go locally.
 
+    Block ids are a flat list for a one-group cache, else a mapping ``{group name: ids}``
+    (see [`CacheSpec`][akv.CacheSpec]). Each list names the *last* blocks of the sequence.
+
     Attributes:
         request_id: the request, as the prefill engine exposed it.
         local_block_ids: this decode rank's blocks to fill. With fewer local than remote
-            blocks (a partial prefix hit), only the last remote blocks are read, into the
-            local blocks in order.
+            blocks (a partial prefix hit), only the tokens of the local blocks are read, into
+            the local blocks in order; each group applies its own hit. State groups: the slot.
         remote_block_ids: the request's whole exposure on the prefill engine, always, as it
             announced it after ``expose()``: the pull checks, after its reads, that the
             request is still exposed with exactly these blocks on each prefill rank it read.
+        num_tokens: the request's tokens. Default: the remote blocks of the first full (or
+            MLA) group are full. Needed when the last block is partly filled and the two
+            engines' block sizes differ, and for caches of sliding-window groups only.
     """
 
     request_id: str
-    local_block_ids: Sequence[int] | npt.NDArray[np.integer[Any]]
-    remote_block_ids: Sequence[int] | npt.NDArray[np.integer[Any]]
+    local_block_ids: Sequence[int] | npt.NDArray[np.integer[Any]] | Mapping[str, Sequence[int]]
+    remote_block_ids: Sequence[int] | npt.NDArray[np.integer[Any]] | Mapping[str, Sequence[int]]
+    num_tokens: int | None = None
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -106,17 +113,15 @@ class Transfer:
         self,
         session: TransferSession,
         request_id: str,
-        reads: RequestReads,
-        remote_ids: npt.NDArray[np.int32],
-        read_ids: npt.NDArray[np.int32],
+        prepared: Prepared,
         notice: bytes,
         state: TransferState,
     ) -> None:
         self.session = session
         self.request_id = request_id
-        self.reads = reads
-        self.remote_ids = remote_ids  # the whole exposure, as given
-        self.read_ids = read_ids  # the remote blocks actually read (the tail on a prefix hit)
+        self.prepared = prepared
+        self.remote_ids = prepared.remote_ids  # the whole exposure, as given (flat over groups)
+        self.read_ids = prepared.read_ids  # the remote blocks actually read
         self.notice = notice  # the "done" notice
         self.state = state
         self.check_slots: dict[int, int] = {}  # prefill rank -> slot of the check pool
@@ -132,7 +137,7 @@ class Transfer:
     @property
     def bytes(self) -> int:
         """Data bytes this pull moves."""
-        return self.reads.bytes_per_block * int(self.read_ids.size)
+        return self.prepared.bytes
 
     def done(self) -> bool:
         """True once the transfer completed or failed."""
@@ -166,13 +171,9 @@ class Transfer:
         if self.done():
             return
         if error is None:
-            n = int(self.read_ids.size)
+            p = self.prepared
             self._result = TransferResult(
-                self.request_id,
-                self.reads.bytes_per_block * n,
-                self.reads.segments * n,
-                len(self.reads.ops) if n else 0,
-                time.monotonic() - self.state.started,
+                self.request_id, p.bytes, p.descriptors, len(p.posts), time.monotonic() - self.state.started
             )
             self.state.stage = Stage.DONE
         else:
@@ -215,7 +216,7 @@ class TransferSession:
         self.endpoint = str(address)
         self.log = consumer.log.bind(engine_address=self.endpoint)
         self.remote_engine_id = ""
-        self.remote_spec: KVSpec | None = None
+        self.remote_spec: CacheSpec | None = None
         self.prefill_tp = 0
         self.lease_s = 0.0
         self.plan: TransferPlan | None = None
@@ -245,8 +246,8 @@ class TransferSession:
             engine_id=c.engine_id,
             tp_rank=c.tp_rank,
             tp_size=c.tp_size,
-            spec=c.spec,
-            compat=c.spec.compat_hash(),
+            spec=c.cache,
+            compat=c.cache.compat_hash(),
             nonce=secrets.token_bytes(16),
             agent_name=c.backend.name,
         )
@@ -254,7 +255,7 @@ class TransferSession:
     def needed(self, prefill_tp: int) -> set[int]:
         """The prefill ranks this decode rank reads from or notifies."""
         c = self.consumer
-        return set(c.spec.notify_ranks(c.tp_rank, c.tp_size, prefill_tp))
+        return set(c.cache.notify_ranks(c.tp_rank, c.tp_size, prefill_tp))
 
     async def handshake(self) -> None:
         """Handshake with every prefill rank this rank needs; shared by concurrent callers."""
@@ -420,7 +421,7 @@ class TransferSession:
                 r: RankMemory(r, ch.tp_size, tuple(link.info.region_addrs), link.info.device_id)
                 for r, link in self.links.items()
             }
-            plan = TransferPlan(local_spec=c.spec, local=c.memory, remote_spec=ch.spec, remote=memory)
+            plan = TransferPlan(local_spec=c.cache, local=c.memory, remote_spec=ch.spec, remote=memory)
             await anyio.to_thread.run_sync(self._prep_blocking, plan)
         except BaseException:
             for r, link in fresh.items():
@@ -548,9 +549,10 @@ class TransferSession:
     async def pull(
         self,
         request: PullRequest | str,
-        local_block_ids: Sequence[int] | None = None,
-        remote_block_ids: Sequence[int] | None = None,
+        local_block_ids: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+        remote_block_ids: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
         *,
+        num_tokens: int | None = None,
         transfer_timeout: float | None = None,
     ) -> Transfer:
         """Launch the reads of one request and return its awaitable [`Transfer`][akv.Transfer].
@@ -560,6 +562,7 @@ class TransferSession:
                 the two block id lists.
             local_block_ids: with a request id: this rank's blocks to fill.
             remote_block_ids: with a request id: the request's whole exposure.
+            num_tokens: with a request id: its tokens (see [`PullRequest`][akv.PullRequest]).
             transfer_timeout: seconds the pull may take (default: the consumer's).
 
         Raises:
@@ -571,7 +574,10 @@ class TransferSession:
             if local_block_ids is None or remote_block_ids is None:
                 raise ConfigError("pull(request_id, local_block_ids, remote_block_ids) needs both id lists")
             request = PullRequest(
-                request_id=request, local_block_ids=local_block_ids, remote_block_ids=remote_block_ids
+                request_id=request,
+                local_block_ids=local_block_ids,
+                remote_block_ids=remote_block_ids,
+                num_tokens=num_tokens,
             )
         c = self.consumer
         if self.closed or c.closed:
@@ -586,17 +592,17 @@ class TransferSession:
             plan = self.plan
             if plan is None or self.closed:
                 raise ClosedError("the session is closed")
-        local, remote_all = plan.block_ids(request.local_block_ids, request.remote_block_ids, tail=False)
-        remote = remote_all[remote_all.size - local.size :]
-        reads = plan.reads(request_key(request.request_id))
-        notice = self.done_notice(request.request_id, remote_all)
+        prepared = plan.prepare(
+            request.request_id, request.local_block_ids, request.remote_block_ids, request.num_tokens
+        )
+        notice = self.done_notice(request.request_id, prepared.remote_ids)
         timeout = c.transfer_timeout if transfer_timeout is None else transfer_timeout
         heartbeat = self.lease_s / 3 if self.lease_s > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
-        transfer = Transfer(self, request.request_id, reads, remote_all, remote, notice, state)
-        if local.size:
+        transfer = Transfer(self, request.request_id, prepared, notice, state)
+        if prepared.posts:
             # With the exposure check, the notice rides on the check read (after the data).
-            self._post(transfer, reads.ops, local, remote, b"" if c.verify_exposure else notice)
+            self._post(transfer, prepared.posts, b"" if c.verify_exposure else notice)
         self.transfers.add(transfer)
         c.track(transfer)
         return transfer
@@ -611,14 +617,11 @@ class TransferSession:
     def _post(
         self,
         transfer: Transfer,
-        ops: Sequence[ReadOp],
-        local: npt.NDArray[np.int32],
-        remote: npt.NDArray[np.int32],
+        posts: Sequence[tuple[ReadOp, npt.NDArray[np.int32], npt.NDArray[np.int32]]],
         notice: bytes,
     ) -> None:
         backend = self.consumer.backend
-        for op in ops:
-            lidx, ridx = TransferPlan.indices(op, local, remote)
+        for op, lidx, ridx in posts:
             try:
                 handle = backend.read(
                     self.dlists[op.local_table], lidx, self.dlists[op.remote_table], ridx, notice
@@ -636,7 +639,7 @@ class TransferSession:
         """Read the exposure-table bucket of the request from every rank read from (with the notice)."""
         c = self.consumer
         h = exposure.request_hash(transfer.request_id)
-        for rank in {op.remote_rank for op in transfer.reads.ops}:
+        for rank in {op.remote_rank for op, _, _ in transfer.prepared.posts}:
             link = self.links.get(rank)
             check = link.check if link is not None else None
             if check is None:  # the rank was re-linked (or lost) since the data reads
