@@ -50,9 +50,11 @@ from akv.errors import (
 )
 
 if TYPE_CHECKING:
+    from akv.geometry.cache import CacheSpec, Component, Group
     from akv.geometry.spec import KVSpec
-    from akv.geometry.tensors import allocate_kv_cache
+    from akv.geometry.tensors import allocate_kv_cache, layer_views
     from akv.metrics import Metrics, MetricsSnapshot, TransferStats
+    from akv.presets import preset
     from akv.protocol.address import Endpoint, EngineAddress, parse_engine_address
     from akv.runtime.consumer import Consumer
     from akv.runtime.control import ControlServer
@@ -65,7 +67,10 @@ __version__ = "0.1.0"
 
 # name -> module that defines it (loaded on first attribute access)
 _LAZY: dict[str, str] = {
+    "CacheSpec": "akv.geometry.cache",
+    "Component": "akv.geometry.cache",
     "Consumer": "akv.runtime.consumer",
+    "Group": "akv.geometry.cache",
     "ControlServer": "akv.runtime.control",
     "Endpoint": "akv.protocol.address",
     "EngineAddress": "akv.protocol.address",
@@ -73,6 +78,8 @@ _LAZY: dict[str, str] = {
     "EngineRelease": "akv.runtime.producer",
     "EngineReleases": "akv.runtime.producer",
     "KVSpec": "akv.geometry.spec",
+    "layer_views": "akv.geometry.tensors",
+    "preset": "akv.presets",
     "Metrics": "akv.metrics",
     "MetricsSnapshot": "akv.metrics",
     "Producer": "akv.runtime.producer",
@@ -109,7 +116,9 @@ __all__ = [
     "AuthenticationError",
     "BackendError",
     "BlockIdError",
+    "CacheSpec",
     "ClosedError",
+    "Component",
     "ConfigError",
     "Consumer",
     "ControlServer",
@@ -121,6 +130,7 @@ __all__ = [
     "EtcdRegistry",
     "EtcdUnavailableError",
     "FrameError",
+    "Group",
     "HandshakeError",
     "IncompatiblePeerError",
     "KVSpec",
@@ -151,6 +161,8 @@ __all__ = [
     "allocate_kv_cache",
     "expected_notifications",
     "held_heads",
+    "layer_views",
     "parse_engine_address",
     "plan_reads",
+    "preset",
 ]
