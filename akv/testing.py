@@ -238,11 +238,13 @@ def verify_request(
     return True
 
 
-def make_requests(spec: Any, count: int, per_request: int, seed: int) -> list[RequestInfo]:
+def make_requests(
+    spec: Any, count: int, per_request: int, seed: int, *, tokens: int | None = None
+) -> list[RequestInfo]:
     """``count`` deterministic requests over distinct, shuffled (fragmented) blocks of each
     group's pool of `spec`; ``seed`` picks the ids and blocks. Full and MLA groups get ``per_request``
-    blocks each, sliding groups the blocks of their window, state groups one slot; a
-    one-group cache gets flat id lists.
+    blocks each (or the blocks holding ``tokens`` tokens), sliding groups the blocks of their
+    window, state groups one slot; a one-group cache gets flat id lists.
 
     Raises [`ConfigError`][akv.errors.ConfigError] if a pool is too small.
     """
@@ -252,6 +254,8 @@ def make_requests(spec: Any, count: int, per_request: int, seed: int) -> list[Re
     rng = np.random.default_rng(seed)
     tokens_group = next((g for g in cache.groups if g.kind in ("full", "mla")), cache.groups[0])
     num_tokens = per_request * tokens_group.block_size if tokens_group.tokens else 0
+    if tokens is not None:
+        num_tokens = tokens
     ids: dict[str, list[list[int]]] = {}
     for g in cache.groups:
         if not g.tokens:
@@ -278,7 +282,7 @@ def make_requests(spec: Any, count: int, per_request: int, seed: int) -> list[Re
             request_id=f"req-{seed}-{i}",
             block_ids=ids[cache.groups[0].name][i] if single else {n: v[i] for n, v in ids.items()},
             seed=i + 1,
-            num_tokens=0 if single else num_tokens,
+            num_tokens=num_tokens if tokens is not None or not single else 0,
         )
         for i in range(count)
     ]
