@@ -38,6 +38,7 @@ __all__ = [
     "fill_request",
     "json_lines",
     "load_requests",
+    "local_counts",
     "make_requests",
     "save_requests",
     "spawn_prefill",
@@ -282,10 +283,29 @@ def make_requests(
             request_id=f"req-{seed}-{i}",
             block_ids=ids[cache.groups[0].name][i] if single else {n: v[i] for n, v in ids.items()},
             seed=i + 1,
-            num_tokens=num_tokens if tokens is not None or not single else 0,
+            num_tokens=num_tokens,
         )
         for i in range(count)
     ]
+
+
+def local_counts(spec: Any, num_tokens: int, hit: int = 0) -> dict[str, int]:
+    """How many blocks a decode rank of cache ``spec`` fills per group for a request of
+    ``num_tokens`` tokens after a prefix hit of ``hit`` blocks of its full groups: full and
+    MLA groups every block but the hit ones, sliding groups the blocks of their window,
+    state groups one slot."""
+    from akv.geometry.cache import as_cache
+
+    out: dict[str, int] = {}
+    for g in as_cache(spec).groups:
+        total = -(-num_tokens // g.block_size)
+        if not g.tokens:
+            out[g.name] = 1
+        elif g.kind == "sliding":
+            out[g.name] = total - max(0, num_tokens - g.window) // g.block_size
+        else:
+            out[g.name] = max(1, total - hit) if total else 0
+    return out
 
 
 def load_requests(path: str) -> list[RequestInfo]:
@@ -383,9 +403,7 @@ def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subpro
     raise AkvError(f"akv prefill exited ({code}) before it was ready: {' '.join(cmd)}")
 
 
-async def fetch_requests(
-    endpoint: str, spec: KVSpec, secret: str | None, engine_id: str
-) -> list[RequestInfo]:
+async def fetch_requests(endpoint: str, spec: Any, secret: str | None, engine_id: str) -> list[RequestInfo]:
     """Ask the prefill engine at ``endpoint`` (any engine address: its rank 0 answers) which
     requests it exposed (the demo's stand-in for a router), as decode engine ``engine_id``
     with the model ``spec`` and ``secret``."""

@@ -15,7 +15,9 @@ import sys
 from typing import Any
 
 from akv.errors import ConfigError
+from akv.geometry.cache import LAYOUTS, CacheSpec
 from akv.geometry.spec import DTYPE_SIZES, KVSpec
+from akv.presets import PRESETS, preset
 
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
     from exceptiongroup import BaseExceptionGroup
@@ -34,6 +36,7 @@ __all__ = [
     "check_seconds",
     "emit",
     "first_leaf",
+    "model_argv",
     "report",
     "size_pool",
     "spec_from_args",
@@ -54,19 +57,42 @@ def emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def add_model_flags(p: argparse.ArgumentParser, *, sized: bool = False, kv_heads: int | None = None) -> None:
-    """The model-shape flags. ``sized``: ``--blocks`` defaults to what the requests need."""
-    g = p.add_argument_group("model shape (must match on both sides, except --blocks)")
+def add_model_flags(
+    p: argparse.ArgumentParser,
+    *,
+    sized: bool = False,
+    kv_heads: int | None = None,
+    kv_heads_default: int | None = None,
+) -> None:
+    """The model-shape flags. ``sized``: ``--blocks`` defaults to what the requests need;
+    ``kv_heads_default``: ``--kv-heads`` when neither it, ``--mla``, ``--preset`` nor ``--config`` is given."""
+    g = p.add_argument_group(
+        "model shape (must match on both sides, except --blocks, --block-size and --layout)"
+    )
+    g.add_argument(
+        "--preset",
+        metavar="NAME",
+        help=f"a real model's cache: {', '.join(PRESETS)} (with --layers: scaled down, same kinds)",
+    )
+    g.add_argument(
+        "--config",
+        metavar="FILE.json",
+        help='a cache description {"groups": [...]} in the schema of akv.CacheSpec (docs/concepts.md)',
+    )
     g.add_argument(
         "--kv-heads",
         type=int,
         default=kv_heads,
         metavar="H",
-        help="total KV heads of the model; required unless --mla"
-        + (" (default: %(default)s)" if kv_heads is not None else ""),
+        help="total KV heads of the model; required unless --mla or --preset"
+        + (" (default: %(default)s)" if kv_heads is not None else "")
+        + (f" (default: {kv_heads_default})" if kv_heads_default is not None else ""),
     )
+    p.set_defaults(kv_heads_default=kv_heads_default)
     g.add_argument("--mla", action="store_true", help="MLA latent cache, replicated on every rank")
-    g.add_argument("--layers", type=int, default=4, help="transformer layers (default: %(default)s)")
+    g.add_argument(
+        "--layers", type=int, default=None, help="transformer layers (default: 4; a preset's own count)"
+    )
     blocks_help = (
         f"blocks in each rank's pool (default: {DEFAULT_BLOCKS}, or --requests x --blocks-per-request "
         "if larger)"
@@ -74,20 +100,23 @@ def add_model_flags(p: argparse.ArgumentParser, *, sized: bool = False, kv_heads
         else "blocks in each rank's pool (default: %(default)s)"
     )
     g.add_argument("--blocks", type=int, default=None if sized else DEFAULT_BLOCKS, help=blocks_help)
-    g.add_argument("--block-size", type=int, default=16, help="tokens per block (default: %(default)s)")
     g.add_argument(
-        "--head-dim", type=int, default=64, help="head dim, or latent dim with --mla (default: %(default)s)"
+        "--block-size", type=int, default=None, help="tokens per block of this engine (default: 16)"
+    )
+    g.add_argument(
+        "--head-dim", type=int, default=None, help="head dim, or latent dim with --mla (default: 64)"
     )
     g.add_argument(
         "--dtype",
-        default="bfloat16",
-        help=f"element type: {', '.join(sorted(DTYPE_SIZES))} (default: %(default)s)",
+        default=None,
+        help=f"element type: {', '.join(sorted(DTYPE_SIZES))} (default: bfloat16)",
     )
     g.add_argument(
         "--layout",
-        choices=["HND", "NHD"],
-        default="HND",
-        help="per-block axis order: heads before tokens (HND) or after (default: %(default)s)",
+        choices=list(LAYOUTS),
+        default=None,
+        help="this engine's layout: per-layer HND or NHD, cross-layer (a block holds every layer) or "
+        "head-major (a block holds each head's every layer together) (default: HND)",
     )
     g.add_argument("--joint-kv", action="store_true", help="K and V in one region per layer")
 
@@ -119,17 +148,23 @@ def check_port(port: int) -> None:
 
 def check_model(a: argparse.Namespace, *tp_flags: str) -> None:
     """The model flags, and that the model can be sharded over each TP size in ``tp_flags``."""
-    if a.kv_heads is None and not a.mla:
-        raise ConfigError("--kv-heads is required (the model's total KV heads), unless --mla")
-    flags = {"layers": a.layers, "block-size": a.block_size, "head-dim": a.head_dim}
-    if not a.mla:
+    described = "--preset" if a.preset else "--config" if a.config else None
+    check(not (a.preset and a.config), "--preset and --config exclude each other: give one")
+    if described:
+        given = [f for f, v in (("--kv-heads", a.kv_heads), ("--head-dim", a.head_dim)) if v is not None]
+        given += ["--mla"] * bool(a.mla) + ["--joint-kv"] * bool(a.joint_kv)
+        check(not given, f"{described} describes the model: drop {', '.join(given)}")
+    elif a.kv_heads is None and not a.mla and getattr(a, "kv_heads_default", None):
+        a.kv_heads = a.kv_heads_default
+    elif a.kv_heads is None and not a.mla:
+        raise ConfigError("--kv-heads is required (the model's total KV heads), unless --mla or --preset")
+    flags = {"layers": a.layers, "block-size": a.block_size, "head-dim": a.head_dim, "blocks": a.blocks}
+    if not a.mla and not described:
         flags["kv-heads"] = a.kv_heads
-    if a.blocks is not None:
-        flags["blocks"] = a.blocks
     for flag, value in flags.items():
-        check(value >= 1, f"--{flag} must be >= 1, got {value}")
+        check(value is None or value >= 1, f"--{flag} must be >= 1, got {value}")
     check(
-        a.dtype in DTYPE_SIZES,
+        a.dtype is None or a.dtype in DTYPE_SIZES,
         f"--dtype {a.dtype} is not supported: use one of {', '.join(sorted(DTYPE_SIZES))}",
     )
     check(not (a.mla and a.joint_kv), "--mla and --joint-kv exclude each other: an MLA cache has no K and V")
@@ -157,18 +192,85 @@ def size_pool(a: argparse.Namespace) -> None:
     )
 
 
-def spec_from_args(a: argparse.Namespace) -> KVSpec:
+def spec_from_args(
+    a: argparse.Namespace, *, layout: str | None = None, block_size: int | None = None
+) -> KVSpec | CacheSpec:
+    """The cache the model flags describe (``layout`` / ``block_size`` override the flags)."""
+    layout = layout or a.layout
+    block_size = block_size or a.block_size
+    blocks = a.blocks if a.blocks is not None else DEFAULT_BLOCKS
+    if a.preset:
+        return preset(
+            a.preset,
+            layers=a.layers,
+            blocks=blocks,
+            block_size=block_size or 16,
+            dtype=a.dtype or "bfloat16",
+            layout=layout or "HND",
+        )
+    if a.config:
+        return _config(a.config, a.blocks, block_size, layout, a.dtype)
     return KVSpec.create(
-        layers=a.layers,
-        num_blocks=a.blocks if a.blocks is not None else DEFAULT_BLOCKS,
-        block_size=a.block_size,
+        layers=a.layers or 4,
+        num_blocks=blocks,
+        block_size=block_size or 16,
         kv_heads=1 if a.mla else a.kv_heads,
-        head_dim=a.head_dim,
-        dtype=a.dtype,
+        head_dim=a.head_dim or 64,
+        dtype=a.dtype or "bfloat16",
         kind="mla" if a.mla else "dense",
-        layout=a.layout,
+        layout=layout or "HND",
         joint_kv=a.joint_kv,
     )
+
+
+def _config(
+    path: str, blocks: int | None, block_size: int | None, layout: str | None, dtype: str | None
+) -> CacheSpec:
+    """A ``--config`` file, with the flags given on the command line applied to every group."""
+    import msgspec
+
+    try:
+        with open(path, "rb") as f:
+            spec = CacheSpec.from_json(f.read())
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    groups = []
+    for g in spec.groups:
+        changes: dict[str, Any] = {}
+        if blocks is not None:
+            changes["num_blocks"] = blocks
+        if block_size is not None and g.tokens:
+            changes["block_size"] = block_size
+        if layout is not None:
+            changes["layout"] = layout
+        if dtype is not None:
+            changes["dtype"] = dtype
+        groups.append(msgspec.structs.replace(g, **changes))
+    return CacheSpec.create(groups)
+
+
+def model_argv(
+    a: argparse.Namespace, *, layout: str | None = None, block_size: int | None = None
+) -> list[str]:
+    """The model flags to start another ``akv`` command with (``layout`` / ``block_size``: its own)."""
+    argv: list[str] = []
+    if a.preset:
+        argv += ["--preset", a.preset]
+    elif a.config:
+        argv += ["--config", a.config]
+    else:
+        argv += ["--kv-heads", str(a.kv_heads)] if not a.mla else ["--mla"]
+        argv += ["--head-dim", str(a.head_dim or 64)]
+        argv += ["--joint-kv"] if a.joint_kv else []
+    for flag, value in (("--layers", a.layers), ("--blocks", a.blocks), ("--dtype", a.dtype)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for flag, value in (("--layout", layout or a.layout), ("--block-size", block_size or a.block_size)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def verbosity_argv(a: argparse.Namespace) -> list[str]:

@@ -25,9 +25,10 @@ from akv.cli.args import (
 )
 from akv.cli.fanout import ChildFailed, RankProcess, child_argv, exit_with_parent, rank_processes
 from akv.errors import AkvError, ConfigError
+from akv.geometry.cache import CacheSpec, as_cache
 from akv.protocol.address import check_engine_id, parse_engine_address
 from akv.runtime.rank import default_engine_id
-from akv.testing import fetch_requests, verify_request
+from akv.testing import fetch_requests, local_counts, verify_request
 
 __all__ = ["BlockAllocator", "cmd_decode", "run_decode", "run_decode_engine", "validate"]
 
@@ -74,6 +75,14 @@ class BlockAllocator:
         self._changed = anyio.Event()
 
 
+def _tokens(cache: CacheSpec, req: Any) -> int:
+    """A request's tokens: announced, or its remote blocks of the first group are full."""
+    if req.num_tokens:
+        return int(req.num_tokens)
+    ids = req.block_ids if not isinstance(req.block_ids, dict) else req.block_ids[cache.groups[0].name]
+    return len(ids) * cache.groups[0].block_size
+
+
 async def run_decode(
     a: argparse.Namespace, progress: Callable[[int, int], None] | None = None
 ) -> dict[str, Any]:
@@ -87,12 +96,15 @@ async def run_decode(
     mine = [a.tp_rank] if a.tp_rank is not None else list(range(size))
     engine_id = a.engine_id or default_engine_id("decode")
     requests = await fetch_requests(a.connect, spec, a.secret, engine_id)
-    largest = max((len(r.block_ids) for r in requests), default=0)
-    check(
-        largest <= spec.num_blocks,
-        f"the prefill engine announces requests of {largest} blocks, more than --blocks {spec.num_blocks}: "
-        f"raise --blocks to at least {largest}",
-    )
+    cache = as_cache(spec)
+    for req in requests:
+        for name, n in local_counts(cache, _tokens(cache, req)).items():
+            pool = cache.group(name).num_blocks
+            check(
+                n <= pool,
+                f"the prefill engine announces requests needing {n} blocks of group {name!r}, more than "
+                f"--blocks {pool}: raise --blocks to at least {n}",
+            )
     stats = {"verified": 0, "bytes": 0}
     failed: list[str] = []
     errors: list[str] = []
@@ -114,36 +126,43 @@ async def run_decode(
             for d in mine
         }
         sessions = {d: await c.connect(a.connect) for d, c in consumers.items()}
-        allocator = BlockAllocator(spec.num_blocks, seed=a.seed)
+        allocators = {g.name: BlockAllocator(g.num_blocks, seed=a.seed) for g in cache.groups}
         limiter = anyio.CapacityLimiter(max(1, a.concurrency))
         done = 0
 
-        async def pull(d: int, pr: PullRequest, seed: int, positions: Any) -> bool:
+        async def pull(d: int, pr: PullRequest, seed: int) -> bool:
             try:
                 res = await (await sessions[d].pull(pr))
             except AkvError as exc:
                 errors.append(f"{pr.request_id} rank {d}: {type(exc).__name__}: {exc}")
                 return False
             stats["bytes"] += res.bytes
-            local = list(pr.local_block_ids)
-            if verify_request(caches[d], spec, d, size, local, seed, positions):
+            if verify_request(caches[d], spec, d, size, pr.local_block_ids, seed, num_tokens=pr.num_tokens):
                 return True
             errors.append(f"{pr.request_id} rank {d}: data mismatch")
             return False
 
         async def one(i: int, req: Any) -> None:
             nonlocal done
-            n = len(req.block_ids)
-            hit = 1 if i % 3 == 2 and n > 1 else 0  # every third request: a partial prefix hit
+            tokens = _tokens(cache, req)
+            full = next((g for g in cache.groups if g.kind in ("full", "mla")), None)
+            blocks = -(-tokens // full.block_size) if full is not None else 0
+            hit = 1 if i % 3 == 2 and blocks > 1 else 0  # every third request: a partial prefix hit
+            counts = local_counts(cache, tokens, hit)
             async with limiter:
-                local = await allocator.alloc(n - hit)
+                local = {name: await allocators[name].alloc(n) for name, n in counts.items()}
                 try:
+                    ids: Any = local if len(cache.groups) > 1 else local[cache.groups[0].name]
                     pr = PullRequest(
-                        request_id=req.request_id, local_block_ids=local, remote_block_ids=req.block_ids
+                        request_id=req.request_id,
+                        local_block_ids=ids,
+                        remote_block_ids=req.block_ids,
+                        num_tokens=tokens,
                     )
-                    ok = all([await pull(d, pr, req.seed, np.arange(hit, n)) for d in mine])
+                    ok = all([await pull(d, pr, req.seed) for d in mine])
                 finally:
-                    allocator.release(local)
+                    for name, blocks_ in local.items():
+                        allocators[name].release(blocks_)
             if ok:
                 stats["verified"] += 1
             else:

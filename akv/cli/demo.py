@@ -20,11 +20,14 @@ from akv.cli.args import (
     check_model,
     check_seconds,
     emit,
+    model_argv,
     size_pool,
     spec_from_args,
     verbosity_argv,
 )
-from akv.testing import EtcdServer, ProgressBar, ajson_lines, etcd_binary, spec_argv
+from akv.errors import ConfigError, IncompatiblePeerError
+from akv.geometry.cache import as_cache, check_peer
+from akv.testing import EtcdServer, ProgressBar, ajson_lines, etcd_binary
 
 __all__ = ["cmd_demo", "run_demo", "validate"]
 
@@ -32,6 +35,17 @@ __all__ = ["cmd_demo", "run_demo", "validate"]
 def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv demo``, before starting anything; sizes ``--blocks`` if not given."""
     check_model(a, "--prefill-tp", "--decode-tp")
+    for flag, value in (
+        ("--prefill-block-size", a.prefill_block_size),
+        ("--decode-block-size", a.decode_block_size),
+    ):
+        check(value is None or value >= 1, f"{flag} must be >= 1, got {value}")
+    prefill = spec_from_args(a, layout=a.prefill_layout, block_size=a.prefill_block_size)
+    decode = spec_from_args(a, layout=a.decode_layout, block_size=a.decode_block_size)
+    try:
+        check_peer(as_cache(decode), as_cache(prefill))
+    except IncompatiblePeerError as exc:
+        raise ConfigError(f"{exc} (--prefill-block-size / --decode-block-size)") from None
     size_pool(a)
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
     check_seconds(a.lease, "--lease")
@@ -64,7 +78,14 @@ async def _run_demo(
     env.setdefault("AKV_SECRET", a.secret or secrets.token_hex(16))  # the demo authenticates its peers
     env["NIXL_LOG_LEVEL"] = env.get("NIXL_LOG_LEVEL", "WARN")
     py = [sys.executable, "-m", "akv"]
-    model = [*spec_argv(spec_from_args(a)), *verbosity_argv(a)]
+    prefill_model = [
+        *model_argv(a, layout=a.prefill_layout, block_size=a.prefill_block_size),
+        *verbosity_argv(a),
+    ]
+    decode_model = [
+        *model_argv(a, layout=a.decode_layout, block_size=a.decode_block_size),
+        *verbosity_argv(a),
+    ]
     prefill_cmd = [
         *py,
         "prefill",
@@ -81,7 +102,7 @@ async def _run_demo(
         "--timeout",
         str(a.timeout),
         "--json",
-        *model,
+        *prefill_model,
         *prefill_extra,
     ]
     bar = ProgressBar(sys.stderr.isatty() and not a.json)
@@ -111,7 +132,7 @@ async def _run_demo(
                 "--json",
                 "--concurrency",
                 str(a.concurrency),
-                *model,
+                *decode_model,
             ]
             async with await anyio.open_process(decode_cmd, env=env, stderr=None) as decode:
                 async for msg in ajson_lines(decode.stdout):
@@ -134,8 +155,11 @@ async def _run_demo(
         "event": "summary",
         "prefill_tp": a.prefill_tp,
         "decode_tp": a.decode_tp,
-        "kv_heads": 1 if a.mla else a.kv_heads,
+        "kv_heads": None if a.preset or a.config else 1 if a.mla else a.kv_heads,
         "mla": a.mla,
+        "model": a.preset or a.config or ("mla" if a.mla else "dense"),
+        "prefill_layout": a.prefill_layout or a.layout or "HND",
+        "decode_layout": a.decode_layout or a.layout or "HND",
         "requests": decode_summary.get("requests", 0),
         "verified": decode_summary.get("verified", 0),
         "failed": decode_summary.get("failed", 0),
@@ -166,7 +190,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     elif code == EXIT_USAGE:
         pass  # the child said what to change, in one line on stderr
     else:
-        kind = "MLA" if a.mla else f"{a.kv_heads} KV heads"
+        kind = a.preset or a.config or ("MLA" if a.mla else f"{a.kv_heads} KV heads")
         status = "OK" if code == EXIT_OK else "FAILED"
         print(f"akv demo: prefill TP {a.prefill_tp} -> decode TP {a.decode_tp}, {kind}: {status}")
         print(

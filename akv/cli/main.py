@@ -24,6 +24,7 @@ from akv.cli.fanout import ChildFailed
 from akv.cli.plan import cmd_plan
 from akv.cli.prefill import cmd_prefill
 from akv.errors import AkvError
+from akv.geometry.cache import LAYOUTS
 
 __all__ = ["build_parser", "main"]
 
@@ -50,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-heads", type=int, metavar="H", help="total KV heads of the model; required unless --mla"
     )
     p.add_argument("--mla", action="store_true", help="MLA latent cache, replicated on every rank")
+    p.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="a real model's cache groups (see akv prefill --help); shows every group and component",
+    )
+    p.add_argument("--config", metavar="FILE.json", help="a cache description in the schema of akv.CacheSpec")
+    p.add_argument("--layers", type=int, default=None, help="with --preset: scale to this many layers")
     p.add_argument(
         "--request-key", type=int, default=0, help="request key, picks among replicas (default: %(default)s)"
     )
@@ -211,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="D",
         help="TP size of the decode engine (default: %(default)s)",
     )
-    add_model_flags(p, sized=True, kv_heads=8)
+    add_model_flags(p, sized=True, kv_heads=None, kv_heads_default=8)
     p.add_argument("--requests", type=int, default=16, help="requests to pull (default: %(default)s)")
     p.add_argument(
         "--blocks-per-request", type=int, default=8, help="blocks of each request (default: %(default)s)"
@@ -234,6 +242,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a local etcd server, register the prefill ranks there and let decode find them "
         "as etcd://HOST:PORT/ENGINE_ID; stop it at the end",
     )
+    for side in ("prefill", "decode"):
+        p.add_argument(
+            f"--{side}-layout",
+            choices=list(LAYOUTS),
+            metavar="L",
+            help=f"layout of the {side} engine: {', '.join(LAYOUTS)} (default: --layout)",
+        )
+        p.add_argument(
+            f"--{side}-block-size",
+            type=int,
+            metavar="N",
+            help=f"tokens per block of the {side} engine (default: --block-size)",
+        )
     add_common(p)
     p.set_defaults(func=cmd_demo)
 

@@ -1,12 +1,14 @@
-"""``akv plan``: who reads which heads from whom, who notifies whom."""
+"""``akv plan``: who reads which heads (or, per cache group, which units) from whom, who notifies whom."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from akv import sharding
 from akv.cli.args import EXIT_OK, check, emit
 from akv.errors import ConfigError
+from akv.geometry.cache import CacheSpec, as_cache
 
 __all__ = ["cmd_plan"]
 
@@ -17,6 +19,21 @@ def _heads(r: range) -> str:
 
 def validate(a: argparse.Namespace) -> None:
     """The flags of ``akv plan`` ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
+    if a.preset or a.config:
+        check(not (a.preset and a.config), "--preset and --config exclude each other: give one")
+        given = [f for f, v in (("--kv-heads", a.kv_heads), ("--mla", a.mla)) if v]
+        check(
+            not given,
+            f"{'--preset' if a.preset else '--config'} describes the model: drop {', '.join(given)}",
+        )
+        check(a.request_key >= 0, f"--request-key must be >= 0, got {a.request_key}")
+        for flag, tp in (("--prefill-tp", a.prefill_tp), ("--decode-tp", a.decode_tp)):
+            check(tp >= 1, f"{flag} must be >= 1, got {tp}")
+            try:
+                _cache(a).check_rank(0, tp)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag} {tp}: {exc}") from None
+        return
     check(
         a.kv_heads is not None or a.mla, "--kv-heads is required (the model's total KV heads), unless --mla"
     )
@@ -32,8 +49,81 @@ def validate(a: argparse.Namespace) -> None:
                 raise ConfigError(f"{flag} {tp}: {exc}") from None
 
 
+def _cache(a: argparse.Namespace) -> CacheSpec:
+    from akv.cli.args import spec_from_args
+
+    for name in ("blocks", "block_size", "layout", "dtype", "head_dim", "joint_kv"):
+        if not hasattr(a, name):
+            setattr(a, name, None)
+    return as_cache(spec_from_args(a))
+
+
+def _units(r: range) -> str:
+    return f"unit {r.start}" if len(r) == 1 else f"units {r.start}-{r.stop - 1}"
+
+
+def _groups_plan(a: argparse.Namespace) -> int:
+    """Per group and component: which decode rank reads which units from which prefill rank."""
+    cache = _cache(a)
+    P, D, key = a.prefill_tp, a.decode_tp, a.request_key
+    decode: list[dict[str, Any]] = []
+    for d in range(D):
+        groups = []
+        for g in cache.groups:
+            comps = []
+            for c in g.components:
+                reads = []
+                for r in sharding.component_reads(d, D, P, c.units, c.shard, key):
+                    mine, theirs = c.held(d, D), c.held(r.remote_rank, P)
+                    glob = range(theirs.start + r.remote_heads.start, theirs.start + r.remote_heads.stop)
+                    reads.append(
+                        {
+                            "remote_rank": r.remote_rank,
+                            "units": [glob.start, glob.stop],
+                            "holds": [mine.start, mine.stop],
+                        }
+                    )
+                comps.append({"component": c.name, "shard": c.shard, "reads": reads})
+            groups.append({"group": g.name, "kind": g.kind, "layers": len(g.layers), "components": comps})
+        decode.append({"rank": d, "groups": groups, "notify": cache.notify_ranks(d, D, P)})
+    expected = [cache.expected_notifications(p, P, D) for p in range(P)]
+    if a.json:
+        emit(
+            {
+                "prefill_tp": P,
+                "decode_tp": D,
+                "request_key": key,
+                "groups": [g.name for g in cache.groups],
+                "ranges": "half-open [start, stop)",
+                "decode": decode,
+                "expected_notifications": expected,
+            }
+        )
+        return EXIT_OK
+    name = a.preset or a.config
+    kinds = ", ".join(f"{g.name} ({g.kind}) x{len(g.layers)}" for g in cache.groups)
+    print(f"{name}: {kinds}; prefill TP {P} -> decode TP {D}, request key {key} (unit ranges inclusive)")
+    for entry in decode:
+        print(f"decode rank {entry['rank']}:")
+        for g in entry["groups"]:
+            print(f"  group {g['group']} ({g['kind']}, {g['layers']} layers):")
+            for c in g["components"]:
+                parts = [
+                    f"{_units(range(*r['units']))} from prefill rank {r['remote_rank']}" for r in c["reads"]
+                ]
+                print(f"    {c['component']:6s} ({c['shard']}): {'; '.join(parts)}")
+        print(f"  notifies prefill ranks {', '.join(map(str, entry['notify']))}")
+    print(
+        "notifications each prefill rank expects per request: "
+        + ", ".join(f"rank {p}: {n}" for p, n in enumerate(expected))
+    )
+    return EXIT_OK
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     validate(a)
+    if a.preset or a.config:
+        return _groups_plan(a)
     P, D, H, mla = a.prefill_tp, a.decode_tp, (1 if a.mla else a.kv_heads), a.mla
     ranks = []
     for d in range(D):

@@ -31,7 +31,6 @@ from akv.cli.args import (
 )
 from akv.cli.fanout import ChildFailed, RankProcess, child_argv, exit_with_parent, rank_processes
 from akv.errors import ConfigError
-from akv.geometry.spec import KVSpec
 from akv.protocol.address import check_engine_id, is_loopback, parse_endpoint, parse_engine_address
 from akv.protocol.handshake import SECRET_ENV, resolve_secret
 from akv.protocol.messages import RequestInfo
@@ -80,7 +79,7 @@ def validate(a: argparse.Namespace) -> None:
             raise ConfigError(f"--etcd {a.etcd!r} is not HOST:PORT[,HOST:PORT...]") from None
 
 
-def _requests(a: argparse.Namespace, spec: KVSpec) -> list[RequestInfo]:
+def _requests(a: argparse.Namespace, spec: Any) -> list[RequestInfo]:
     if a.requests_file:
         return load_requests(a.requests_file)
     return make_requests(spec, a.requests, a.blocks_per_request, a.seed)
