@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,7 @@ import numpy.typing as npt
 
 from akv import sharding
 from akv.errors import BlockIdError, ConfigError
-from akv.geometry.cache import Group, as_cache, check_peer
+from akv.geometry.cache import Group, as_cache, check_block_ids, check_peer
 from akv.geometry.layout import GroupLayout, Placement, rank_layout
 
 __all__ = [
@@ -86,27 +85,6 @@ def expand_table(table: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     out[:, 1] = table[rows, 1]
     out[:, 2] = table[rows, 2]
     return out
-
-
-def check_block_ids(ids: Sequence[int] | npt.ArrayLike, num_blocks: int, what: str) -> IndexArray:
-    """Validate one list of block ids; returns them as np.int32 or raises [`BlockIdError`][akv.errors.BlockIdError]."""
-    try:
-        arr = np.asarray(ids)
-    except (TypeError, ValueError) as exc:
-        raise BlockIdError(f"{what}: not a sequence of integers ({exc})") from None
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int32)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise BlockIdError(f"{what}: expected a flat sequence of integers, got {arr.dtype} {arr.shape}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= num_blocks:
-        bad = lo if lo < 0 else hi
-        raise BlockIdError(f"{what}: block id {bad} is outside [0, {num_blocks})")
-    # A set is several times cheaper than np.unique for the short lists of real requests.
-    distinct = len(set(arr.tolist())) if arr.size <= 512 else np.unique(arr).size
-    if distinct != arr.size:
-        raise BlockIdError(f"{what}: duplicate block ids")
-    return arr.astype(np.int32, copy=False)
 
 
 # -- chunks of a request --------------------------------------------------------------------
@@ -205,8 +183,8 @@ class _Part:
     """One group's rows in a read op, per pattern."""
 
     group: int
-    lbase: tuple[IndexArray, ...]  # per pattern: descriptor index of block 0 of each local row
-    rbase: tuple[IndexArray, ...]
+    lcol: tuple[IndexArray, ...]  # per pattern: (rows, 1) descriptor index of block 0 of each local row
+    rcol: tuple[IndexArray, ...]
     chunk_bytes: tuple[int, ...]  # per pattern: bytes one chunk moves
 
 
@@ -426,7 +404,9 @@ class TransferPlan:
                 lrow += n * lg.group.num_blocks
                 rrow += n * rg.group.num_blocks
                 sizes.append(int(runs[:, 4].sum()))
-            parts.append(_Part(gi, tuple(lbases), tuple(rbases), tuple(sizes)))
+            parts.append(
+                _Part(gi, tuple(b[:, None] for b in lbases), tuple(b[:, None] for b in rbases), tuple(sizes))
+            )
         if max(lrow, rrow) >= 2**31:
             raise ConfigError(f"{max(lrow, rrow)} descriptors exceed NIXL's 32-bit index space")
         lrows, rrows = np.concatenate(ltab), np.concatenate(rtab)
@@ -475,23 +455,23 @@ class TransferPlan:
             lparts, rparts = [], []
             for part in op.parts:
                 ch = per[part.group]
-                if not ch.size:
+                n = ch.local.size
+                if not n:
                     continue
-                for p, (lb, rb, size) in enumerate(
-                    zip(part.lbase, part.rbase, part.chunk_bytes, strict=True)
-                ):
-                    if ch.pattern is None:
-                        if p:
-                            break
-                        lsel, rsel, n = ch.local, ch.remote, ch.size
-                    else:
-                        mask = ch.pattern == p
-                        lsel, rsel = ch.local[mask], ch.remote[mask]
-                        n = int(lsel.size)
-                    lparts.append((lb[:, None] + lsel[None, :]).ravel())
-                    rparts.append((rb[:, None] + rsel[None, :]).ravel())
-                    total += size * n
+                if ch.pattern is None:
+                    lb, rb = part.lcol[0], part.rcol[0]
+                    lparts.append((lb + ch.local).ravel())
+                    rparts.append((rb + ch.remote).ravel())
+                    total += part.chunk_bytes[0] * n
                     descs += lb.size * n
+                    continue
+                for p, (lb, rb, size) in enumerate(zip(part.lcol, part.rcol, part.chunk_bytes, strict=True)):
+                    mask = ch.pattern == p
+                    lsel, rsel = ch.local[mask], ch.remote[mask]
+                    lparts.append((lb + lsel).ravel())
+                    rparts.append((rb + rsel).ravel())
+                    total += size * lsel.size
+                    descs += lb.size * lsel.size
             if lparts:
                 li = lparts[0] if len(lparts) == 1 else np.concatenate(lparts)
                 ri = rparts[0] if len(rparts) == 1 else np.concatenate(rparts)

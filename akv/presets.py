@@ -143,10 +143,8 @@ def preset(
     """
     model = _model(name)
     kinds = preset_layers(name, layers)
-    if layers is None:  # the model's own layer indices (MLP layers of Nemotron-H hold no cache)
-        index = [i for i, k in enumerate(model.kinds) if k]
-    else:
-        index = list(range(len(kinds)))
+    # the model's own layer indices (MLP layers of Nemotron-H hold no cache), or 0..N-1 scaled
+    index = [i for i, k in enumerate(model.kinds) if k] if layers is None else list(range(len(kinds)))
     groups = []
     for kind, (group_kind, comps) in _COMPONENTS[name].items():
         mine = tuple(i for i, k in zip(index, kinds, strict=True) if k == kind)

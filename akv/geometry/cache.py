@@ -40,6 +40,7 @@ __all__ = [
     "Component",
     "Group",
     "as_cache",
+    "check_block_ids",
     "check_peer",
 ]
 
@@ -189,8 +190,6 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
 
     def check_ids(self, ids: Sequence[int] | npt.ArrayLike, what: str) -> npt.NDArray[np.int32]:
         """Validate one list of this group's block ids (state groups: at most one slot)."""
-        from akv.plan import check_block_ids
-
         arr = check_block_ids(ids, self.num_blocks, f"{what} of group {self.name!r}")
         if not self.tokens and arr.size > 1:
             raise BlockIdError(
@@ -415,3 +414,24 @@ def check_peer(local: CacheSpec, remote: CacheSpec) -> None:
                 "block sizes must be multiples of each other (change --block-size on one side)",
                 (f"{a.name}.block_size",),
             )
+
+
+def check_block_ids(ids: Sequence[int] | npt.ArrayLike, num_blocks: int, what: str) -> npt.NDArray[np.int32]:
+    """Validate one list of block ids; returns them as np.int32 or raises [`BlockIdError`][akv.errors.BlockIdError]."""
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:
+        raise BlockIdError(f"{what}: not a sequence of integers ({exc})") from None
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise BlockIdError(f"{what}: expected a flat sequence of integers, got {arr.dtype} {arr.shape}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
+        raise BlockIdError(f"{what}: block id {bad} is outside [0, {num_blocks})")
+    # A set is several times cheaper than np.unique for the short lists of real requests.
+    distinct = len(set(arr.tolist())) if arr.size <= 512 else np.unique(arr).size
+    if distinct != arr.size:
+        raise BlockIdError(f"{what}: duplicate block ids")
+    return arr.astype(np.int32, copy=False)
