@@ -44,8 +44,15 @@ def validate(a: argparse.Namespace) -> None:
     decode = spec_from_args(a, layout=a.decode_layout, block_size=a.decode_block_size)
     try:
         check_peer(as_cache(decode), as_cache(prefill))
-    except IncompatiblePeerError as exc:
-        raise ConfigError(f"{exc} (--prefill-block-size / --decode-block-size)") from None
+    except IncompatiblePeerError:
+        sizes = {
+            g.name: (g.block_size, d.block_size)
+            for g, d in zip(as_cache(prefill).groups, as_cache(decode).groups)
+        }
+        bad = next(f"{p} and {d}" for p, d in sizes.values() if max(p, d) % min(p, d))
+        raise ConfigError(
+            f"--prefill-block-size and --decode-block-size ({bad}) must be multiples of each other"
+        ) from None
     size_pool(a)
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
     check_seconds(a.lease, "--lease")

@@ -22,7 +22,9 @@ Layouts of token groups (``lu`` local units, ``bs`` tokens per block, ``e`` unit
 
 MLA groups (one replicated unit) keep the per-layer shape ``(blocks, bs, e)``. State groups
 hold per layer one region ``(slots, n)`` per tensor (components naming one tensor are
-concatenated), or with ``cross-layer`` / ``head-major`` one region ``(slots, L, n)``.
+concatenated); with ``cross-layer`` one region ``(slots, L, n)``; with ``head-major`` one
+region ``(slots, n)`` holding, component after component, each unit's every layer together
+(a unit range of a component is one run).
 """
 
 from __future__ import annotations
@@ -125,7 +127,15 @@ def group_layout(group: Group, rank: int, tp_size: int, first_region: int = 0) -
             )
             for t in tensors
         }
-        if g.layout in ("cross-layer", "head-major"):
+        if g.layout == "head-major":  # [slot][component][unit][layer][elems]: a unit range is one run
+            total = sum(lu * L * e for lu, e in zip(lus, es, strict=True))
+            shapes.append((nb, total))
+            off = 0
+            for ci in range(C):
+                add([0] * L, off * E, total * E, es[ci] * E, L * es[ci] * E, 0, ci)
+                off += lus[ci] * L * es[ci]
+            return GroupLayout(g, tuple(shapes), tuple(places))
+        if g.layout == "cross-layer":
             per_layer = sum(widths.values())
             shapes.append((nb, L, per_layer))
             off = 0
