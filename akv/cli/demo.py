@@ -45,11 +45,12 @@ def validate(a: argparse.Namespace) -> None:
     try:
         check_peer(as_cache(decode), as_cache(prefill))
     except IncompatiblePeerError:
-        sizes = {
-            g.name: (g.block_size, d.block_size)
-            for g, d in zip(as_cache(prefill).groups, as_cache(decode).groups)
-        }
-        bad = next(f"{p} and {d}" for p, d in sizes.values() if max(p, d) % min(p, d))
+        pairs = zip(as_cache(prefill).groups, as_cache(decode).groups, strict=True)
+        bad = next(
+            f"{p.block_size} and {d.block_size}"
+            for p, d in pairs
+            if p.block_size % d.block_size and d.block_size % p.block_size
+        )
         raise ConfigError(
             f"--prefill-block-size and --decode-block-size ({bad}) must be multiples of each other"
         ) from None
