@@ -47,3 +47,44 @@ def test_readme_lists_every_example_and_its_install_line() -> None:
     assert extra is not None
     for module in ("trio", "uvicorn", "httpx"):
         assert module in extra.group(1)
+
+
+def test_config_schema_example_in_the_docs_is_a_valid_cache(tmp_path: Path) -> None:
+    """The ``--config`` example of docs/concepts.md parses as a CacheSpec, and ``akv plan --config``
+    shows its groups; a broken file is one line and exit 64."""
+    import json
+
+    from akv.geometry.cache import CacheSpec
+
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    example = re.findall(r"```json\n(.*?)```", text, re.S)[0]
+    spec = CacheSpec.from_json(example)
+    assert spec.names == ("full", "gdn")
+    path = tmp_path / "cache.json"
+    path.write_text(example)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "akv",
+            "plan",
+            "--config",
+            str(path),
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert [g["group"] for g in json.loads(out)["decode"][0]["groups"]] == ["full", "gdn"]
+    path.write_text(example.replace('"units": 32', '"units": "many"', 1))
+    bad = subprocess.run(
+        [sys.executable, "-m", "akv", "plan", "--config", str(path), "--prefill-tp", "2", "--decode-tp", "4"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 64 and bad.stderr.count("\n") == 1 and "--config" in bad.stderr
