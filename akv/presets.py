@@ -160,7 +160,7 @@ def preset(
                 block_size=block_size if group_kind in ("full", "sliding", "mla") else 1,
                 window=model.window if group_kind == "sliding" else 0,
                 dtype=dtype,
-                layout=layout,  # type: ignore[arg-type]
+                layout=layout,
             )
         )
     return CacheSpec.create(groups)

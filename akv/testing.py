@@ -55,11 +55,12 @@ def _seed_base(seed: int, group: int, layer: int, component: int) -> int:
     return x ^ (x >> 31)
 
 
-def _region_pattern(
+def _segments(
     spec: Any, tp_rank: int, tp_size: int, region: int, seed: int, positions: npt.ArrayLike
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
-    """Expected bytes of some blocks of one region, and the token position of each byte
-    (``-1`` for state groups), both ``(len(positions), block_bytes)``."""
+) -> tuple[Any, list[tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8], npt.NDArray[np.int64]]]]:
+    """One region's expected contents for blocks at ``positions``: the group, and per (component,
+    layer) placed there: byte offsets relative to the block's start (add ``block * stride``),
+    the bytes ``(len(positions), k)`` and each byte's token position (``-1`` for state groups)."""
     from akv.geometry.cache import as_cache
     from akv.geometry.layout import rank_layout
 
@@ -72,10 +73,9 @@ def _region_pattern(
     gl = layout.groups[gi]
     g = gl.group
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-    width = next(p.block for p in gl.placements if region in p.regions)
-    values = np.zeros((pos.size, width), dtype=np.uint8)
-    tokens = np.full((pos.size, width), -1, dtype=np.int64)
     tok = np.arange(g.block_size if g.tokens else 1, dtype=np.int64)
+    where = (pos[:, None] * g.block_size + tok[None, :]) if g.tokens else np.full((pos.size, 1), -1, np.int64)
+    out = []
     for ci, p in enumerate(gl.placements):
         units = np.arange(p.units.start, p.units.stop, dtype=np.int64)[:, None, None]
         t = tok[None, :, None]
@@ -84,20 +84,32 @@ def _region_pattern(
             if r != region:
                 continue
             off = (p.offset + i * p.layer + (units - units[0, 0, 0]) * p.unit + t * p.token + b).reshape(-1)
-            where = (
-                (pos[:, None] * g.block_size + tok[None, :])
-                if g.tokens
-                else np.zeros((pos.size, 1), np.int64)
-            )
             key = (
                 np.uint64(_seed_base(seed, gi, g.layers[i], ci))
                 + (units.astype(np.uint64) << np.uint64(40))
-                + (where[:, None, :, None].astype(np.uint64) << np.uint64(20))
+                + (np.maximum(where, 0)[:, None, :, None].astype(np.uint64) << np.uint64(20))
                 + b.astype(np.uint64)
             )
-            values[:, off] = _mix(key).astype(np.uint8).reshape(pos.size, -1)
-            if g.tokens:
-                tokens[:, off] = np.broadcast_to(where[:, None, :, None], key.shape).reshape(pos.size, -1)
+            values = _mix(key).astype(np.uint8).reshape(pos.size, -1)
+            tokens = np.broadcast_to(where[:, None, :, None], key.shape).reshape(pos.size, -1)
+            out.append((off, values, tokens))
+    block = next(p.block for p in gl.placements if region in p.regions)
+    return (g, block), out
+
+
+def _region_pattern(
+    spec: Any, tp_rank: int, tp_size: int, region: int, seed: int, positions: npt.ArrayLike
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+    """Expected bytes of some blocks of one region laid out block by block, and the token
+    position of each byte (``-1`` for state groups), both ``(len(positions), block_bytes)``.
+    Only for layouts whose blocks are contiguous (not an axis order with blocks inside)."""
+    (_, block), segs = _segments(spec, tp_rank, tp_size, region, seed, positions)
+    n = np.asarray(positions).size
+    values = np.zeros((n, block), dtype=np.uint8)
+    tokens = np.full((n, block), -1, dtype=np.int64)
+    for off, v, t in segs:
+        values[:, off] = v
+        tokens[:, off] = t
     return values, tokens
 
 
@@ -135,12 +147,6 @@ def _mix(key: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 
 # -- filling and verifying caches ---------------------------------------------------------
-
-
-def _block_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    import torch
-
-    return t.view(torch.uint8).view(num_blocks, -1)
 
 
 def _groups(spec: Any, block_ids: Any) -> list[tuple[int, Any, list[int], Any]]:
@@ -187,11 +193,15 @@ def fill_request(
     for _, g, ids, regions in _groups(spec, block_ids):
         if not ids:
             continue
-        idx = torch.as_tensor(ids)
         pos = _positions(g, len(ids), num_tokens)
         for region in regions:
-            want = _region_pattern(spec, rank, size, region, seed, pos)[0]
-            _block_view(kv[region], g.num_blocks)[idx] = torch.from_numpy(want).to(kv[region].device)
+            flat = kv[region].view(torch.uint8).reshape(-1)
+            (_, block), segs = _segments(spec, rank, size, region, seed, pos)
+            for off, values, _tok in segs:
+                idx = np.asarray(ids, dtype=np.int64)[:, None] * block + off[None, :]
+                flat[torch.from_numpy(idx.ravel()).to(flat.device)] = torch.from_numpy(values.ravel()).to(
+                    flat.device
+                )
 
 
 def verify_request(
@@ -213,29 +223,29 @@ def verify_request(
     blocks of a ``num_tokens``-token sequence, and every token a pull reads (each group's own
     prefix hit; sliding groups: only the window; state groups: the slot) must match.
     """
-    groups = _groups(spec, block_ids)
-    if positions is not None:
-        pos = np.asarray(positions, dtype=np.int64)
-        for _, g, ids, regions in groups:
-            for region in regions:
-                got = _block_view(kv[region], g.num_blocks)[ids].cpu().numpy()
-                if not np.array_equal(got, _region_pattern(spec, rank, size, region, seed, pos)[0]):
-                    return False
-        return True
-    for _, g, ids, regions in groups:
+    import torch
+
+    for _, g, ids, regions in _groups(spec, block_ids):
         if not ids:
             continue
-        pos = _positions(g, len(ids), num_tokens)
-        n = num_tokens if num_tokens else len(ids) * g.block_size
-        start = int(pos[0]) * g.block_size
-        if g.kind == "sliding":
-            start = max(start, n - g.window)
+        if positions is not None:
+            pos = np.asarray(positions, dtype=np.int64)
+            start, n = -1, None
+        else:
+            pos = _positions(g, len(ids), num_tokens)
+            n = num_tokens if num_tokens else len(ids) * g.block_size
+            start = int(pos[0]) * g.block_size
+            if g.kind == "sliding":
+                start = max(start, n - g.window)
         for region in regions:
-            want, tok = _region_pattern(spec, rank, size, region, seed, pos)
-            got = _block_view(kv[region], g.num_blocks)[ids].cpu().numpy()
-            mask = (tok < 0) | ((tok >= start) & (tok < n)) if g.tokens else np.ones_like(tok, dtype=bool)
-            if not np.array_equal(got[mask], want[mask]):
-                return False
+            flat = kv[region].view(torch.uint8).reshape(-1)
+            (_, block), segs = _segments(spec, rank, size, region, seed, pos)
+            for off, values, tok in segs:
+                idx = np.asarray(ids, dtype=np.int64)[:, None] * block + off[None, :]
+                got = flat[torch.from_numpy(idx.ravel()).to(flat.device)].cpu().numpy().reshape(values.shape)
+                mask = (tok < 0) | ((tok >= start) & (tok < n)) if n is not None else np.ones(tok.shape, bool)
+                if not np.array_equal(got[mask], values[mask]):
+                    return False
     return True
 
 

@@ -101,7 +101,9 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
         block_size: tokens per block (1 for state groups).
         window: sliding groups: the window in tokens; 0 otherwise.
         dtype: element type, one of ``DTYPE_SIZES``.
-        layout: ``"HND"``, ``"NHD"``, ``"cross-layer"`` or ``"head-major"``.
+        layout: ``"HND"``, ``"NHD"``, ``"cross-layer"``, ``"head-major"``, or an axis order
+            describing an engine's own tensors (``"comp,block,token,unit,elem"``; see
+            [`parse_axes`][akv.geometry.layout.parse_axes]).
         joint_kv: per-layer layouts: all components in one region per layer.
     """
 
@@ -113,7 +115,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     window: int = 0
     dtype: str = "bfloat16"
-    layout: Layout = "HND"
+    layout: str = "HND"
     joint_kv: bool = False
 
     @property
@@ -162,6 +164,18 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(f"{where}: state groups hold one slot per block id: set block_size=1")
             if self.joint_kv:
                 raise ConfigError(f"{where}: joint_kv is for attention groups")
+        if "," in self.layout:
+            from akv.geometry.layout import parse_axes
+
+            axes = parse_axes(self.layout, tokens=self.tokens)
+            if self.joint_kv:
+                raise ConfigError(f"{where}: joint_kv is for the named per-layer layouts")
+            if "comp" in axes and len({(c.units, c.unit_elems, c.shard) for c in self.components}) > 1:
+                raise ConfigError(f"{where}: a 'comp' axis inside a region needs components of one shape")
+        elif self.layout not in LAYOUTS:
+            raise ConfigError(
+                f"{where}: layout {self.layout!r}: use one of {', '.join(LAYOUTS)} or an axis order"
+            )
         uniform = len({(c.units, c.unit_elems, c.shard) for c in self.components}) == 1
         if self.joint_kv and (self.layout not in ("HND", "NHD") or not uniform):
             raise ConfigError(

@@ -7,7 +7,9 @@ component of a group is *placed* by strides, in bytes::
         base[regions[i]] + offset + b * block + i * layer + u * unit + t * token
 
 and one unit of one token is ``run`` contiguous bytes. The plan only ever uses placements,
-so any layout expressible by strides works, including an engine's own tensors.
+so any layout expressible by strides works, including an engine's own tensors: a group's
+``layout`` may be an axis order such as ``"comp,block,token,unit,elem"`` (vLLM's per-layer
+``[2, num_blocks, block_size, heads, dim]``), see [`parse_axes`][akv.geometry.layout.parse_axes].
 
 Layouts of token groups (``lu`` local units, ``bs`` tokens per block, ``e`` unit elements,
 ``C`` components, ``L`` layers), region shapes:
@@ -31,9 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec, Group
 
-__all__ = ["GroupLayout", "Placement", "RankLayout", "group_layout", "rank_layout"]
+__all__ = ["AXES", "GroupLayout", "Placement", "RankLayout", "group_layout", "parse_axes", "rank_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,8 @@ def group_layout(group: Group, rank: int, tp_size: int, first_region: int = 0) -
             )
         )
 
+    if "," in g.layout:
+        return _axes_layout(g, lus, es, held, first_region)
     if not g.tokens:
         tensors: list[str] = []
         for c in g.components:
@@ -208,6 +213,87 @@ def group_layout(group: Group, rank: int, tp_size: int, first_region: int = 0) -
     for ci in range(C):
         add([0] * L, ci * bs * e * E, lu * L * C * bs * e * E, C * bs * e * E, L * C * bs * e * E, e * E, ci)
     return GroupLayout(g, tuple(shapes), tuple(places))
+
+
+def _axes_layout(
+    g: Group, lus: list[int], es: list[int], held: list[range], first_region: int
+) -> GroupLayout:
+    """A layout given as an axis order (see `parse_axes`): strides follow from the sizes."""
+    axes = parse_axes(g.layout, tokens=g.tokens)
+    E, L, C = g.element_size, len(g.layers), len(g.components)
+    if "comp" in axes and (len(set(lus)) > 1 or len(set(es)) > 1):
+        raise ConfigError(f"group {g.name!r}: a 'comp' axis inside a region needs components of one shape")
+    shapes: list[tuple[int, ...]] = []
+    places: list[Placement] = []
+    per_layer, per_comp = "layer" not in axes, "comp" not in axes
+    for ci in range(C):
+        size = {
+            "block": g.num_blocks,
+            "layer": L,
+            "comp": C,
+            "unit": lus[ci],
+            "token": g.block_size,
+            "elem": es[ci],
+        }
+        stride: dict[str, int] = {}
+        acc = E
+        for axis in reversed(axes):
+            stride[axis] = acc
+            acc *= size[axis]
+        shape = tuple(size[a] for a in axes)
+        if per_layer and per_comp:
+            regions = [i * C + ci for i in range(L)]
+        elif per_layer:
+            regions = list(range(L))
+        elif per_comp:
+            regions = [ci] * L
+        else:
+            regions = [0] * L
+        places.append(
+            Placement(
+                tuple(first_region + r for r in regions),
+                ci * stride["comp"] if "comp" in axes else 0,
+                stride["block"],
+                stride.get("layer", 0),
+                stride["unit"],
+                stride.get("token", 0),
+                es[ci] * E,
+                held[ci],
+            )
+        )
+        if ci == 0 or per_comp:
+            shapes.append(shape)
+    count = (L if per_layer else 1) * (C if per_comp else 1)
+    if per_layer and per_comp:  # regions are layer-major: reorder the per-component shapes
+        shapes = [shapes[ci] for _ in range(L) for ci in range(C)]
+    elif per_layer:
+        shapes = shapes[:1] * L
+    elif not per_comp:
+        shapes = shapes[:1]
+    assert len(shapes) == count
+    return GroupLayout(g, tuple(shapes), tuple(places))
+
+
+AXES = ("layer", "comp", "block", "unit", "token", "elem")
+
+
+def parse_axes(layout: str, *, tokens: bool = True) -> tuple[str, ...]:
+    """The axes of a layout given as an order of ``layer, comp, block, unit, token, elem``
+    (outermost first). ``block``, ``unit`` and ``elem`` (last) are required, ``token`` for token
+    groups only; ``layer`` / ``comp`` left out make one region per layer / component.
+
+    For example vLLM's per-layer ``[2, num_blocks, block_size, heads, dim]`` tensors are
+    ``"comp,block,token,unit,elem"``; ``HND`` is ``"block,unit,token,elem"``.
+    """
+    axes = tuple(a.strip() for a in layout.split(","))
+    need = {"block", "unit", "elem"} | ({"token"} if tokens else set())
+    allowed = need | {"layer", "comp"}
+    if len(set(axes)) != len(axes) or not need <= set(axes) or not set(axes) <= allowed or axes[-1] != "elem":
+        raise ConfigError(
+            f"layout {layout!r}: give an order of {', '.join(sorted(allowed))} with "
+            f"{', '.join(sorted(need))} present and elem last"
+        )
+    return axes
 
 
 def rank_layout(cache: CacheSpec, rank: int, tp_size: int) -> RankLayout:
