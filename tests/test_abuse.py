@@ -12,6 +12,7 @@ import pytest
 
 from akv.cli import build_parser
 from akv.cli.args import spec_from_args
+from akv.protocol.messages import PROTOCOL_VERSION
 from akv.testing import fetch_requests
 from tests.conftest import MODEL, prefill_process
 
@@ -56,12 +57,12 @@ ABUSE = {
     "random-bytes": os.urandom(4096),
     "oversized-length": struct.pack(">I", 2**31) + b"x" * 100,
     "truncated-frame": struct.pack(">I", 1000) + b"y" * 10,
-    "wrong-type": frame({"type": "Metadata", "v": 1, "ranks": []}),
+    "wrong-type": frame({"type": "Metadata", "v": PROTOCOL_VERSION, "ranks": []}),
     "wrong-version": frame({"type": "Hello", "v": 99}),
-    "bad-fields": frame({"type": "Hello", "v": 1, "engine_id": 5}),
+    "bad-fields": frame({"type": "Hello", "v": PROTOCOL_VERSION, "engine_id": 5}),
     "not-a-map": frame([1, 2, 3]),
-    "request-before-hello": frame({"type": "MetadataRequest", "v": 1, "ranks": [0]}),
-    "list-before-auth": frame({"type": "ListRequests", "v": 1}),
+    "request-before-hello": frame({"type": "MetadataRequest", "v": PROTOCOL_VERSION, "ranks": [0]}),
+    "list-before-auth": frame({"type": "ListRequests", "v": PROTOCOL_VERSION}),
     "empty-frame": struct.pack(">I", 0),
 }
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import Any
 
+import msgspec
 import pytest
 
 import akv
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # processes and agents dominate; the event loop is covered elsewhere
+
 
 LAYERS = 4
 BLOCKS = 48
@@ -257,3 +259,35 @@ def test_plan_command_shows_each_group() -> None:
         text=True,
     )
     assert bad.returncode == 64 and bad.stderr.count("\n") == 1 and "B: 8 units" in bad.stderr
+
+
+async def test_engine_tensors_described_by_axis_order(tmp_path: Any) -> None:
+    """A prefill engine whose tensors are per-layer ``[2, blocks, tokens, heads, dim]`` (K/V
+    outside the blocks, as vLLM allocates them), described by ``--config`` with an axis-order
+    layout, serves decode engines on head-major and HND bit-exact; its per-layer views are
+    the K and V planes of each layer tensor."""
+    base = preset("llama-3.1-8b", layers=3, blocks=BLOCKS)
+    own = akv.CacheSpec.create(
+        [msgspec.structs.replace(g, layout="comp,block,token,unit,elem") for g in base.groups]
+    )
+    kv = akv.allocate_kv_cache(own, 0, 2)
+    assert [tuple(t.shape) for t in kv] == [(2, BLOCKS, 16, 4, 128)] * 3
+    views = akv.layer_views(kv, own, 0, 2)["full"][1]
+    assert views["v"].data_ptr() == kv[1][1].data_ptr() and views["k"].shape == (BLOCKS, 4, 16, 128)
+    path = tmp_path / "own.json"
+    path.write_bytes(own.to_json())
+    with prefill("--tp-size", "2", "--config", str(path), "--blocks-per-request", "3", requests=2) as (
+        endpoint,
+        summary,
+    ):
+        await pull_all(
+            endpoint,
+            msgspec.structs.replace(
+                base, groups=tuple(msgspec.structs.replace(g, layout="head-major") for g in base.groups)
+            ),
+            4,
+            "hm",
+            [0],
+        )
+        await pull_all(endpoint, base, 1, "hnd", [1])
+    assert summary and summary[-1]["released"] == 2, summary

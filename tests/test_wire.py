@@ -29,12 +29,12 @@ from akv.protocol.messages import (
     encode_notice,
 )
 
-SPEC = KVSpec.create(layers=2, num_blocks=8, block_size=4, kv_heads=4, head_dim=8)
+SPEC = KVSpec.create(layers=2, num_blocks=8, block_size=4, kv_heads=4, head_dim=8).to_cache()
 
 
 class Rank:
     engine_id = "p"
-    spec = SPEC
+    cache = SPEC
     tp_rank = 0
     tp_size = 1
     lease_s = 1.0
@@ -156,9 +156,10 @@ def test_incompatible_hello_names_fields() -> None:
     """A Hello with another model shape is refused naming the differing fields."""
     other = KVSpec.create(layers=3, num_blocks=8, block_size=4, kv_heads=4, head_dim=8, dtype="float16")
     (err,), _done = ServerConversation({0: Rank()}, None).receive(
-        hello(spec=other, compat=other.compat_hash())
+        hello(spec=other.to_cache(), compat=other.compat_hash())
     )
-    assert isinstance(err, Error) and err.code == "incompatible" and set(err.fields) == {"layers", "dtype"}
+    assert isinstance(err, Error) and err.code == "incompatible" and set(err.fields) == {"kv.layers", "kv.dtype"}
+    assert "group 'kv' layers: decode=[0, 1, 2] prefill=[0, 1]" in err.message
 
 
 def test_wrong_version_is_reported_as_such() -> None:

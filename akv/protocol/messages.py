@@ -47,7 +47,7 @@ __all__ = [
     "encode_notice",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: caches are described as groups (CacheSpec)
 #: Largest frame a server accepts: client messages are small.
 DEFAULT_SERVER_MAX_FRAME = 64 * 1024
 #: Largest frame a client accepts: agent metadata can be large.
