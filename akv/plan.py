@@ -309,6 +309,8 @@ class TransferPlan:
         self.decode_tp = local.tp_size
         self.prefill_tp = next(iter(remote.values())).tp_size if remote else 0
         d, dt, pt = local.tp_rank, local.tp_size, self.prefill_tp
+        lc.check_rank(d, dt)  # errors name the group and component
+        rc.check_rank(0, pt)
         self.notify: tuple[int, ...] = lc.notify_ranks(d, dt, pt)
         missing = sorted(set(self.notify) - set(remote))
         if missing:

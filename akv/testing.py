@@ -103,7 +103,12 @@ def _region_pattern(
     """Expected bytes of some blocks of one region laid out block by block, and the token
     position of each byte (``-1`` for state groups), both ``(len(positions), block_bytes)``.
     Only for layouts whose blocks are contiguous (not an axis order with blocks inside)."""
-    (_, block), segs = _segments(spec, tp_rank, tp_size, region, seed, positions)
+    (group, block), segs = _segments(spec, tp_rank, tp_size, region, seed, positions)
+    if any(int(off.max()) >= block for off, _, _ in segs):
+        raise ConfigError(
+            f"group {group.name!r} (layout {group.layout!r}) does not keep each block contiguous: "
+            "use fill_request / verify_request, which address bytes directly"
+        )
     n = np.asarray(positions).size
     values = np.zeros((n, block), dtype=np.uint8)
     tokens = np.full((n, block), -1, dtype=np.int64)
