@@ -28,7 +28,9 @@ class RankEngine:
         self.stops: dict[int, tuple[anyio.CancelScope, anyio.Event]] = {}
         self.releases: list[tuple[int, akv.Release]] = []
 
-    async def _run(self, rank: int, kw: dict[str, object], *, task_status: anyio.abc.TaskStatus[None]) -> None:
+    async def _run(
+        self, rank: int, kw: dict[str, object], *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
         done = anyio.Event()
         try:
             with anyio.CancelScope() as scope:
@@ -128,7 +130,10 @@ async def test_per_rank_endpoints_bit_exact_and_released_by_read(
         engine.expose("r", [1, 2, 3], seed=11)
         for s in sessions:
             await (await s.pull("r", [4, 5, 6], [1, 2, 3]))
-        assert all(verify_request(c.kv_caches, spec, c.tp_rank, decode_tp, [4, 5, 6], 11, range(3)) for c in consumers)
+        assert all(
+            verify_request(c.kv_caches, spec, c.tp_rank, decode_tp, [4, 5, 6], 11, range(3))
+            for c in consumers
+        )
         with anyio.fail_after(5):
             for p in engine.ranks.values():
                 await p.wait_released()
@@ -143,7 +148,9 @@ async def test_rank_not_registered_is_a_typed_error_naming_it() -> None:
         lonely = await stack.enter_async_context(akv.Producer(kv, spec, tp_rank=0, tp_size=2))
         (consumer,) = [
             await stack.enter_async_context(
-                akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, handshake_timeout=0.5)
+                akv.Consumer(
+                    akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, handshake_timeout=0.5
+                )
             )
         ]
         with pytest.raises(akv.MissingRanksError, match=r"prefill ranks \[1\] .* --bootstrap") as info:

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.anyio
 
 
 @asynccontextmanager
-async def etcd_engine(spec: akv.KVSpec, tp_size: int, etcd_endpoint: str, name: str) -> AsyncIterator[list[akv.Producer]]:
+async def etcd_engine(
+    spec: akv.KVSpec, tp_size: int, etcd_endpoint: str, name: str
+) -> AsyncIterator[list[akv.Producer]]:
     """Prefill ranks that register only in etcd (no bootstrap), each with its own endpoint."""
     async with AsyncExitStack() as stack:
         ranks = [
@@ -53,7 +55,9 @@ async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer) -> None
             p.expose("r", [1, 2, 3])
         consumers = [
             await stack.enter_async_context(
-                akv.Consumer(akv.allocate_kv_cache(spec, d, 2), spec, tp_rank=d, tp_size=2, engine_id="d-etcd")
+                akv.Consumer(
+                    akv.allocate_kv_cache(spec, d, 2), spec, tp_rank=d, tp_size=2, engine_id="d-etcd"
+                )
             )
             for d in range(2)
         ]

@@ -233,7 +233,9 @@ print("exited cleanly")
 def test_process_exits_cleanly_after_a_read_to_a_killed_peer() -> None:
     """A read to a SIGKILLed peer fails typed, and the process then exits 0: UCX retires what it
     held for the lost peer before the agent closes (no abort at exit)."""
-    res = subprocess.run([sys.executable, "-c", LOST_PEER_SCRIPT], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", LOST_PEER_SCRIPT], capture_output=True, text=True, timeout=120
+    )
     assert "failed typed: PeerLostError" in res.stdout, res.stdout + res.stderr[-2000:]
     assert res.returncode == 0 and "exited cleanly" in res.stdout, res.stderr[-2000:]
     assert "Assertion" not in res.stdout + res.stderr

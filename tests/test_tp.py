@@ -63,7 +63,9 @@ def check_dense(p: int, d: int, h: int, key: int) -> None:
         for q in plan.notify:
             expected[q] += 1
         # notify sets never depend on the request
-        other = sharding.plan_reads(decode_rank=rank, decode_tp=d, prefill_tp=p, kv_heads=h, request_key=key + 1)
+        other = sharding.plan_reads(
+            decode_rank=rank, decode_tp=d, prefill_tp=p, kv_heads=h, request_key=key + 1
+        )
         assert other.notify == plan.notify
     for q in range(p):
         n = sharding.expected_notifications(prefill_rank=q, prefill_tp=p, decode_tp=d, kv_heads=h)

@@ -158,7 +158,9 @@ def test_incompatible_hello_names_fields() -> None:
     (err,), _done = ServerConversation({0: Rank()}, None).receive(
         hello(spec=other.to_cache(), compat=other.compat_hash())
     )
-    assert isinstance(err, Error) and err.code == "incompatible" and set(err.fields) == {"kv.layers", "kv.dtype"}
+    assert (
+        isinstance(err, Error) and err.code == "incompatible" and set(err.fields) == {"kv.layers", "kv.dtype"}
+    )
     assert "group 'kv' layers: decode=[0, 1, 2] prefill=[0, 1]" in err.message
 
 
