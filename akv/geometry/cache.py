@@ -203,7 +203,8 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(f"group {self.name!r}: {exc}") from None
 
     def check_ids(self, ids: Sequence[int] | npt.ArrayLike, what: str) -> npt.NDArray[np.int32]:
-        """Validate one list of this group's block ids (state groups: at most one slot)."""
+        """Validate `ids`, one list of this group's block ids (state groups: at most one slot);
+        errors start with `what`."""
         arr = check_block_ids(ids, self.num_blocks, f"{what} of group {self.name!r}")
         if not self.tokens and arr.size > 1:
             raise BlockIdError(
@@ -220,13 +221,16 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     ([`akv.presets.preset`][akv.presets.preset]) or a one-group [`KVSpec`][akv.KVSpec]
     ([`as_cache`][akv.geometry.cache.as_cache]). Block ids of a request are given per
     group as a mapping ``{group name: ids}``; a one-group cache also takes a flat list.
+
+    Attributes:
+        groups: the groups, in order (their regions and flat ids follow this order).
     """
 
     groups: tuple[Group, ...]
 
     @classmethod
     def create(cls, groups: Sequence[Group | Mapping[str, Any]]) -> CacheSpec:
-        """Build and validate a cache from groups (or their field mappings, as in JSON)."""
+        """Build and validate a cache from `groups` (`Group`s, or their field mappings as in JSON)."""
         try:
             spec = msgspec.convert({"groups": list(groups)}, cls, from_attributes=True)
         except msgspec.ValidationError as exc:
@@ -236,7 +240,7 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_json(cls, data: bytes | str) -> CacheSpec:
-        """Parse the JSON form ``{"groups": [...]}`` (the schema of `Group`, `Component`)."""
+        """Parse `data`, the JSON form ``{"groups": [...]}`` (the schema of `Group`, `Component`)."""
         try:
             spec = msgspec.json.decode(data, type=cls)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -299,7 +303,8 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         raise ConfigError(f"no group {name!r}; this cache has {list(self.names)}")
 
     def per_group(self, ids: Any, what: str) -> tuple[npt.NDArray[np.int32], ...]:
-        """Validate a request's block ids given per group (a mapping), or flat for one group.
+        """Validate a request's block ids `ids` given per group (a mapping), or flat for one
+        group; errors start with `what` (e.g. ``"local_block_ids"``).
 
         Returns one np.int32 array per group, in group order (empty for groups not given).
         """
@@ -316,14 +321,14 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         return (self.groups[0].check_ids(ids, what),)
 
     def flatten(self, per_group: Sequence[npt.NDArray[np.int32]]) -> npt.NDArray[np.int32]:
-        """Map per-group ids into the rank's flat id space (group offset + id)."""
+        """Map `per_group` (one id array per group, in order) into the rank's flat id space (group offset + id)."""
         if len(per_group) == 1:
             return per_group[0]
         parts = [ids.astype(np.int64) + off for ids, off in zip(per_group, self.offsets, strict=True)]
         return np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32)
 
     def split(self, flat: npt.NDArray[np.int32]) -> dict[str, npt.NDArray[np.int32]]:
-        """The inverse of [`flatten`][akv.CacheSpec.flatten]: ``{group name: ids}``."""
+        """The inverse of [`flatten`][akv.CacheSpec.flatten] for ids `flat`: ``{group name: ids}``."""
         out: dict[str, npt.NDArray[np.int32]] = {}
         for g, off in zip(self.groups, self.offsets, strict=True):
             mine = flat[(flat >= off) & (flat < off + g.num_blocks)]
@@ -341,7 +346,8 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         return hashlib.sha256(msgspec.json.encode(self.structure())).hexdigest()[:16]
 
     def differences(self, other: CacheSpec, ours: str, theirs: str) -> list[tuple[str, str]]:
-        """``(field path, description)`` of every structural difference from ``other``."""
+        """``(field path, description)`` of every structural difference from `other`, the values
+        labelled `ours` and `theirs` (e.g. ``"decode"``, ``"prefill"``)."""
         out: list[tuple[str, str]] = []
         if self.names != other.names:
             out.append(("groups", f"groups: {ours}={list(self.names)} {theirs}={list(other.names)}"))
@@ -386,8 +392,9 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     # -- sharding of this model -----------------------------------------------------------
 
     def notify_ranks(self, decode_rank: int, decode_tp: int, prefill_tp: int) -> tuple[int, ...]:
-        """The prefill ranks ``decode_rank`` of a ``decode_tp`` engine notifies per request (every
-        prefill rank holding a unit it holds, or assigned to it for replicated components)."""
+        """The prefill ranks `decode_rank` of a `decode_tp` engine notifies per request, reading
+        from an engine of `prefill_tp` ranks (every prefill rank holding a unit it holds, or
+        assigned to it for replicated components)."""
         ranks: set[int] = set()
         for g in self.groups:
             for c in g.components:

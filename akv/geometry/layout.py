@@ -41,7 +41,18 @@ __all__ = ["AXES", "GroupLayout", "Placement", "RankLayout", "group_layout", "pa
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Strides of one component of one group on one rank (bytes; see the module text)."""
+    """Strides of one component of one group on one rank (bytes; see the module text).
+
+    Attributes:
+        regions: the region index (in the rank's list) of each layer of the group.
+        offset: bytes from a region's start to layer 0, unit 0, token 0 of block 0.
+        block: bytes between blocks.
+        layer: bytes between layers inside one region (0 with a region per layer).
+        unit: bytes between units.
+        token: bytes between tokens (0 for state groups).
+        run: contiguous bytes of one unit of one token.
+        units: the global units this rank holds.
+    """
 
     regions: tuple[int, ...]  # region index (in the rank's list) per layer of the group
     offset: int
@@ -55,7 +66,13 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class GroupLayout:
-    """One group on one rank: its region shapes (elements) and its components' placements."""
+    """One group on one rank.
+
+    Attributes:
+        group: the group.
+        shapes: its region shapes, in elements of the group's dtype.
+        placements: one `Placement` per component, in order.
+    """
 
     group: Group
     shapes: tuple[tuple[int, ...], ...]
@@ -70,7 +87,11 @@ class GroupLayout:
 
 @dataclass(frozen=True, slots=True)
 class RankLayout:
-    """Every group of a cache on one rank, regions numbered across groups in order."""
+    """Every group of a cache on one rank, regions numbered across groups in order.
+
+    Attributes:
+        groups: one `GroupLayout` per group.
+    """
 
     groups: tuple[GroupLayout, ...]
 
@@ -278,9 +299,9 @@ AXES = ("layer", "comp", "block", "unit", "token", "elem")
 
 
 def parse_axes(layout: str, *, tokens: bool = True) -> tuple[str, ...]:
-    """The axes of a layout given as an order of ``layer, comp, block, unit, token, elem``
+    """The axes of `layout`, an order of ``layer, comp, block, unit, token, elem``
     (outermost first). ``block``, ``unit`` and ``elem`` (last) are required, ``token`` for token
-    groups only; ``layer`` / ``comp`` left out make one region per layer / component.
+    groups (`tokens`) only; ``layer`` / ``comp`` left out make one region per layer / component.
 
     For example vLLM's per-layer ``[2, num_blocks, block_size, heads, dim]`` tensors are
     ``"comp,block,token,unit,elem"``; ``HND`` is ``"block,unit,token,elem"``.

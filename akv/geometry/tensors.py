@@ -63,7 +63,8 @@ def check_kv_cache(tensors: Sequence[torch.Tensor], spec: Any, tp_rank: int, tp_
 def layer_views(
     tensors: Sequence[torch.Tensor], spec: Any, tp_rank: int, tp_size: int
 ) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """Per group, per layer, per component: a strided view of this rank's units.
+    """Per group, per layer, per component: a strided view of this rank's units in `tensors`
+    (allocated for `spec` on rank `tp_rank` of `tp_size`).
 
     Token groups: ``(num_blocks, local_units, block_size, unit_elems)`` (HND order, whatever
     the layout; NHD layouts give the same axes with other strides). State groups:
