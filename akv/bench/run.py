@@ -71,6 +71,7 @@ class Workload:
     decode_block_size: int = 0  # 0: the prefill's
     layers: int = 0  # 0: the run's
     pool: int = 512  # blocks in each prefill rank's pool (the decode pool holds as many bytes)
+    preset: str = ""  # a model preset (akv.presets) instead of kv_heads / mla
 
 
 def _hetero_tp() -> tuple[tuple[Workload, ...], tuple[tuple[str, str, str, bool], ...]]:
@@ -139,6 +140,19 @@ def _specs(w: Workload, layers: int) -> tuple[Any, Any]:
 
     layers = w.layers or layers
     decode_bs = w.decode_block_size or w.block_size
+    if w.preset:
+        from akv.presets import preset
+
+        return (
+            preset(w.preset, layers=layers, blocks=w.pool, block_size=w.block_size, layout=w.layout),
+            preset(
+                w.preset,
+                layers=layers,
+                blocks=max(1, w.pool * w.block_size // decode_bs),
+                block_size=decode_bs,
+                layout=w.decode_layout or w.layout,
+            ),
+        )
     common: dict[str, Any] = {
         "layers": layers,
         "kv_heads": 1 if w.mla else w.kv_heads,
@@ -157,7 +171,16 @@ def _specs(w: Workload, layers: int) -> tuple[Any, Any]:
 
 
 def _start_prefill(w: Workload, spec: Any, requests_file: str) -> tuple[subprocess.Popen[str], str]:
+    from akv.geometry.spec import KVSpec
     from akv.testing import spawn_prefill, spec_argv
+
+    if isinstance(spec, KVSpec):
+        model = spec_argv(spec)  # --layout and --block-size included
+    else:  # a hybrid cache: described by a --config file next to the requests
+        path = requests_file + ".cache.json"
+        with open(path, "wb") as f:
+            f.write(spec.to_json())
+        model = ["--config", path]
 
     return spawn_prefill(
         "--requests-file",
@@ -174,13 +197,33 @@ def _start_prefill(w: Workload, spec: Any, requests_file: str) -> tuple[subproce
         "3600",
         "--timeout",
         "900",
-        *spec_argv(spec),  # --layout and --block-size included
+        *model,
     )
 
 
 def _requests(w: Workload, prefill: Any, decode: Any, rng: np.random.Generator) -> list[tuple[str, Any, Any]]:
     """(request id, decode block ids, prefill block ids): the same tokens on both sides."""
-    out = []
+    out: list[tuple[str, Any, Any]] = []
+    if w.preset:  # per group: the blocks (or state slot) of the same tokens on both sides
+        from akv.testing import local_counts
+
+        for i in range(w.requests):
+            tokens = int(rng.integers(w.blocks[0], w.blocks[1] + 1)) * decode.groups[0].block_size
+            sides = []
+            for spec in (decode, prefill):
+                ids = {}
+                for g in spec.groups:
+                    n = local_counts(spec, tokens)[g.name]
+                    start = int(rng.integers(0, g.num_blocks - n + 1))
+                    picked = (
+                        np.arange(start, start + n)
+                        if w.contiguous
+                        else rng.choice(g.num_blocks, n, replace=False)
+                    )
+                    ids[g.name] = picked.astype(np.int32)
+                sides.append(ids)
+            out.append((f"bench-{w.name}-{i}", sides[0], sides[1]))
+        return out
     for i in range(w.requests):
         n = int(rng.integers(w.blocks[0], w.blocks[1] + 1))
         m = n * decode.block_size // prefill.block_size  # whole blocks on both sides (sizes divide)
@@ -195,6 +238,13 @@ def _requests(w: Workload, prefill: Any, decode: Any, rng: np.random.Generator) 
     return out
 
 
+def _ids_json(ids: Any) -> Any:
+    """Block ids as JSON: a flat list, or ``{group: ids}``."""
+    if isinstance(ids, dict):
+        return {name: v.tolist() for name, v in ids.items()}
+    return ids.tolist()
+
+
 async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], None]) -> Figures:
     """Start the workload's prefill engine and measure every method against it."""
     prefill_spec, spec = _specs(w, layers)
@@ -204,7 +254,7 @@ async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], No
         # The prefill exposes exactly what akv pulls (checked pulls of unexposed requests fail):
         # each request once for the warm-up and once for the measured pull.
         exposed = [
-            RequestInfo(request_id=f"{rid}{suffix}", block_ids=remote.tolist())
+            RequestInfo(request_id=f"{rid}{suffix}", block_ids=_ids_json(remote))
             for rid, _, remote in reqs
             for suffix in ("", "-warm")
         ]
@@ -309,7 +359,13 @@ class _Methods:
         torch.set_num_threads(1)
         # bytes one decode block receives on all decode ranks (the same for every replica choice)
         rid, local, remote = sample
-        self.width = sum(s.plan.prepare(rid, local, remote).bytes for s in sessions) // len(local)
+        moved = sum(s.plan.prepare(rid, local, remote).bytes for s in sessions)
+        if isinstance(local, dict):  # hybrid caches: one contiguous copy of a request's bytes
+            self.width = 0
+            self.src = torch.zeros(moved, dtype=torch.uint8)
+            self.dst = torch.zeros(moved, dtype=torch.uint8)
+            return
+        self.width = moved // len(local)
         self.src = torch.zeros((prefill_spec.num_blocks, self.width), dtype=torch.uint8)
         self.dst = torch.zeros((spec.num_blocks, self.width), dtype=torch.uint8)
 
@@ -347,7 +403,9 @@ class _Methods:
 
     def _raw(self, batch: list[tuple[str, Any, Any]], *, merge: bool, record: bool) -> tuple[int, float]:
         """The same reads and notifications, written directly against nixl_agent."""
-        # Before the clock: the requests' indices, exactly those akv posts for them.
+        # On the clock, as in any connector: validating the ids and computing the indices
+        # (exactly those akv posts), then posting, spinning and notifying.
+        t0 = time.perf_counter()
         work = []
         for rid, local, remote in batch:
             for s, c in zip(self.sessions, self.consumers, strict=True):
@@ -372,7 +430,6 @@ class _Methods:
                 work.append((c.backend.raw, posts, notify, msg, p.bytes))
         total = 0
         ndesc = 0
-        t0 = time.perf_counter()
         handles: list[tuple[Any, Any]] = []
         notices: list[tuple[Any, str, bytes]] = []
         for agent, posts, notify, msg, nbytes in work:
@@ -406,6 +463,11 @@ class _Methods:
         total = 0
         t0 = time.perf_counter()
         width = self.width
+        if not width:
+            for _ in batch:
+                self.dst.copy_(self.src)
+                total += self.dst.numel()
+            return total, time.perf_counter() - t0
         for _, local, remote in batch:
             # one prefill block per decode block (the first it covers where block sizes differ)
             firsts = remote[np.arange(len(local)) * len(remote) // len(local)]
@@ -566,11 +628,11 @@ def _row(f: Figures) -> dict[str, Any]:
     }
 
 
-def _comparisons(figures: list[Figures]) -> dict[str, Any]:
+def _comparisons(figures: list[Figures], pairs: tuple[tuple[str, str, str, bool], ...]) -> dict[str, Any]:
     """Head-major against per-layer HND on the same hetero-TP reads; akv against the hand-written loop."""
     by_name = {f.name: f for f in figures}
     headmajor = []
-    for hnd_name, hm_name, tp, contiguous in _HEADMAJOR_PAIRS:
+    for hnd_name, hm_name, tp, contiguous in pairs:
         hnd, hm = by_name.get(hnd_name), by_name.get(hm_name)
         if hnd is None or hm is None:
             continue
@@ -603,11 +665,37 @@ def _comparisons(figures: list[Figures]) -> dict[str, Any]:
     }
 
 
-async def run_bench(quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Run every workload and the poller and table figures; returns the JSON summary."""
+def preset_workloads(name: str) -> tuple[tuple[Workload, ...], tuple[tuple[str, str, str, bool], ...]]:
+    """A preset's hybrid cache at the TP pairs it shards to, per-layer HND against head-major
+    (every group: attention, sliding window, MLA and state alike); the (HND, head-major) pairs."""
+    from akv.errors import ConfigError
+    from akv.presets import preset
+
+    cache = preset(name, layers=8)
+    out: list[Workload] = []
+    pairs: list[tuple[str, str, str, bool]] = []
+    for p, d in ((1, 2), (2, 1), (2, 4), (4, 2)):
+        try:
+            cache.check_rank(0, p)
+            cache.check_rank(0, d)
+        except ConfigError:
+            continue
+        names = [f"{name}_{prefix}_{p}->{d}" for prefix in ("hnd", "headmajor")]
+        for n, layout in zip(names, ("HND", "head-major"), strict=True):
+            out.append(Workload(n, p, d, preset=name, layout=layout, blocks=(32, 32), requests=12, pool=64))
+        pairs.append((names[0], names[1], f"{p}->{d}", True))
+    return tuple(out), tuple(pairs)
+
+
+async def run_bench(
+    quick: bool, progress: Callable[[str], None], preset: str | None = None
+) -> dict[str, Any]:
+    """Run every workload (or, with ``preset``, that model's) and the poller and table figures;
+    returns the JSON summary."""
     layers = 8 if quick else 16
+    workloads, pairs = (WORKLOADS, _HEADMAJOR_PAIRS) if preset is None else preset_workloads(preset)
     figures = []
-    for w in WORKLOADS:
+    for w in workloads:
         if not quick:
             w = replace(w, requests=w.requests * 4)
         figures.append(await _bench_workload(w, layers, progress))
@@ -615,11 +703,12 @@ async def run_bench(quick: bool, progress: Callable[[str], None]) -> dict[str, A
     poller = await _poller_figures(2.0 if quick else 5.0)
     progress("table preparation")
     table = _table_prep_fresh(10_000 if quick else 100_000)
-    launch_akv = [x for f in figures if f.name == "small_concurrent" for x in f.launch_akv_us]
-    launch_nixl = [x for f in figures if f.name == "small_concurrent" for x in f.launch_nixl_us]
+    small = "small_concurrent" if preset is None else figures[0].name
+    launch_akv = [x for f in figures if f.name == small for x in f.launch_akv_us]
+    launch_nixl = [x for f in figures if f.name == small for x in f.launch_nixl_us]
     return {
         "workloads": [_row(f) for f in figures],
-        "comparisons": _comparisons(figures),
+        "comparisons": _comparisons(figures, pairs),
         "launch": {
             "akv_us_p50": round(float(np.percentile(launch_akv, 50)), 1),
             "nixl_us_p50": round(float(np.percentile(launch_nixl, 50)), 1),
@@ -738,6 +827,12 @@ def add_bench_parser(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="instead of the standard workloads: this model's hybrid cache (akv.presets, scaled to 8 "
+        "layers) at the TP pairs it shards to, per-layer HND against head-major",
+    )
+    p.add_argument(
         "--plot",
         metavar="FILE.png",
         help="also draw bandwidth per workload and method (needs matplotlib: pip install 'akv[bench]')",
@@ -751,7 +846,15 @@ def add_bench_parser(sub: Any) -> None:
             check_plot(a.plot)  # before the run, not after minutes of it
         tty = sys.stderr.isatty()
         started = time.monotonic()
-        steps = 2 * len(WORKLOADS) + 2  # warm-up and measurement per workload; poller; tables
+        if a.preset:
+            from akv.presets import PRESETS
+
+            if a.preset not in PRESETS:
+                from akv.errors import ConfigError
+
+                raise ConfigError(f"--preset {a.preset}: use one of {', '.join(PRESETS)}")
+        count = len(WORKLOADS) if not a.preset else len(preset_workloads(a.preset)[0])
+        steps = 2 * count + 2  # warm-up and measurement per workload; poller; tables
         bar = ProgressBar(tty, label="bench", width=24)
         done = [0]
 
@@ -762,7 +865,7 @@ def add_bench_parser(sub: Any) -> None:
             if not tty:
                 print(f"[{done[0]}/{steps}] {note}", file=sys.stderr, flush=True)
 
-        summary = anyio.run(run_bench, a.quick, progress)
+        summary = anyio.run(run_bench, a.quick, progress, a.preset)
         bar.close()
         summary["seconds"] = round(time.monotonic() - started, 1)
         if a.json:
