@@ -33,17 +33,9 @@ from akv.geometry.cache import DTYPE_SIZES, CacheSpec, Component, Group
 
 __all__ = ["COMPAT_FIELDS", "DTYPE_SIZES", "KVSpec"]
 
-#: The spec fields two engines must agree on to exchange blocks (``num_blocks`` may differ).
-COMPAT_FIELDS: tuple[str, ...] = (
-    "layers",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "block_size",
-    "kind",
-    "layout",
-    "joint_kv",
-)
+#: The spec fields two engines must agree on (block size, pool size and layout are each
+#: engine's own; see [`CacheSpec.differences`][akv.CacheSpec.differences]).
+COMPAT_FIELDS: tuple[str, ...] = ("layers", "kv_heads", "head_dim", "dtype", "kind")
 
 
 class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,7 +43,8 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     Per-rank head counts follow from the TP size (see [`held_heads`][akv.held_heads]).
     Construct with [`KVSpec.create`][akv.KVSpec.create] to validate. Two engines exchange
-    blocks only if every field but ``num_blocks`` matches.
+    blocks when ``COMPAT_FIELDS`` match; ``num_blocks``, ``layout``, ``joint_kv`` and
+    ``block_size`` (one a multiple of the other) are each engine's own.
 
     Attributes:
         layers: transformer layers.
@@ -61,7 +54,8 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
         head_dim: elements per head (the latent dim for MLA).
         dtype: element type, one of ``DTYPE_SIZES`` (``"bfloat16"``, ``"float16"``, ...).
         kind: ``"dense"`` (K and V per head) or ``"mla"`` (one latent cache, replicated on every rank).
-        layout: ``"HND"`` (heads before tokens within a block) or ``"NHD"``.
+        layout: ``"HND"`` (heads before tokens within a block), ``"NHD"``, ``"cross-layer"`` or
+            ``"head-major"`` (see [`akv.geometry.layout`][akv.geometry.layout]).
         joint_kv: K and V in one region per layer instead of two.
     """
 
