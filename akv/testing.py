@@ -178,6 +178,20 @@ def _positions(group: Any, count: int, num_tokens: int | None) -> npt.NDArray[np
     return np.arange(total - count, total, dtype=np.int64)
 
 
+def _placed(
+    tensor: torch.Tensor, ids: list[int], spec: Any, rank: int, size: int, region: int, seed: int, pos: Any
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, npt.NDArray[np.uint8], npt.NDArray[np.int64]]]:
+    """Per (component, layer) in one region: its bytes (flat), the byte indices of blocks ``ids``,
+    and the expected bytes and their token positions (see `_segments`)."""
+    import torch
+
+    flat = tensor.view(torch.uint8).reshape(-1)
+    (_, block), segs = _segments(spec, rank, size, region, seed, pos)
+    for off, values, tok in segs:
+        idx = np.asarray(ids, dtype=np.int64)[:, None] * block + off[None, :]
+        yield flat, torch.from_numpy(idx.ravel()).to(flat.device), values, tok
+
+
 def fill_request(
     kv: Sequence[torch.Tensor],
     spec: Any,
@@ -200,13 +214,8 @@ def fill_request(
             continue
         pos = _positions(g, len(ids), num_tokens)
         for region in regions:
-            flat = kv[region].view(torch.uint8).reshape(-1)
-            (_, block), segs = _segments(spec, rank, size, region, seed, pos)
-            for off, values, _tok in segs:
-                idx = np.asarray(ids, dtype=np.int64)[:, None] * block + off[None, :]
-                flat[torch.from_numpy(idx.ravel()).to(flat.device)] = torch.from_numpy(values.ravel()).to(
-                    flat.device
-                )
+            for flat, idx, values, _tok in _placed(kv[region], ids, spec, rank, size, region, seed, pos):
+                flat[idx] = torch.from_numpy(values.ravel()).to(flat.device)
 
 
 def verify_request(
@@ -228,7 +237,6 @@ def verify_request(
     blocks of a ``num_tokens``-token sequence, and every token a pull reads (each group's own
     prefix hit; sliding groups: only the window; state groups: the slot) must match.
     """
-    import torch
 
     for _, g, ids, regions in _groups(spec, block_ids):
         if not ids:
@@ -243,11 +251,8 @@ def verify_request(
             if g.kind == "sliding":
                 start = max(start, n - g.window)
         for region in regions:
-            flat = kv[region].view(torch.uint8).reshape(-1)
-            (_, block), segs = _segments(spec, rank, size, region, seed, pos)
-            for off, values, tok in segs:
-                idx = np.asarray(ids, dtype=np.int64)[:, None] * block + off[None, :]
-                got = flat[torch.from_numpy(idx.ravel()).to(flat.device)].cpu().numpy().reshape(values.shape)
+            for flat, idx, values, tok in _placed(kv[region], ids, spec, rank, size, region, seed, pos):
+                got = flat[idx].cpu().numpy().reshape(values.shape)
                 mask = (tok < 0) | ((tok >= start) & (tok < n)) if n is not None else np.ones(tok.shape, bool)
                 if not np.array_equal(got[mask], values[mask]):
                     return False

@@ -28,20 +28,12 @@ from akv.geometry.layout import rank_layout
 from akv.plan import TransferPlan
 from akv.presets import preset
 from akv.testing import expected_blocks
-from tests.test_plan import Request, Side, make_request, sides, simulate, token_range
+from tests.test_plan import LAYOUTS, Request, Side, make_request, sides, simulate, token_range
 
 SIZES = range(1, 17)
 PAIRS = [(p, d) for p in SIZES for d in SIZES]
 NMAX = 20  # tokens of a request at most
 KINDS = ("full", "sliding", "mla", "mamba2", "gdn")
-LAYOUTS = [
-    ("HND", False),
-    ("NHD", False),
-    ("HND", True),
-    ("NHD", True),
-    ("cross-layer", False),
-    ("head-major", False),
-]
 
 
 def heads_ok(units: int, tp: int) -> bool:
