@@ -24,6 +24,7 @@ from akv.protocol.address import (
     RankListAddress,
     parse_engine_address,
 )
+from akv.protocol.messages import PROTOCOL_VERSION
 from akv.runtime.discovery import EtcdRegistry, RankRecord
 from akv.testing import EtcdServer, etcd_binary, spawn_registrant
 from tests.conftest import stop
@@ -81,7 +82,7 @@ def test_malformed_engine_address(text: str, hint: str) -> None:
 def test_rank_record_validation() -> None:
     """A rank record needs a valid engine id, a rank inside its TP size and a HOST:PORT endpoint."""
     rec = RankRecord.create("p", 1, 2, "10.0.0.1:7000", compat="abc")
-    assert rec.endpoint == Endpoint("10.0.0.1", 7000) and rec.v == 1
+    assert rec.endpoint == Endpoint("10.0.0.1", 7000) and rec.v == PROTOCOL_VERSION
     for args in (("bad/id", 0, 1, "a:1"), ("p", 2, 2, "a:1"), ("p", 0, 1, "a")):
         with pytest.raises(akv.ConfigError):
             RankRecord.create(*args)  # type: ignore[arg-type]
@@ -324,7 +325,7 @@ def test_engines_command(etcd: EtcdServer) -> None:
                 "tp_rank": 0,
                 "tp_size": 1,
                 "endpoint": "127.0.0.1:7000",
-                "v": 1,
+                "v": PROTOCOL_VERSION,
                 "compat": "",
             }
         ]
