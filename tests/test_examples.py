@@ -17,7 +17,9 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 
-@pytest.mark.parametrize("name", ["disaggregated_pair.py", "async_server.py", "trio_consumer.py"])
+@pytest.mark.parametrize(
+    "name", ["disaggregated_pair.py", "async_server.py", "trio_consumer.py", "hybrid_model.py"]
+)
 def test_example_runs_on_defaults(name: str) -> None:
     """Each example starts its own peers, verifies its data and exits 0."""
     proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=180)
