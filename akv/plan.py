@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from akv import sharding
-from akv.errors import BlockIdError, ConfigError
+from akv.errors import BlockIdError, ConfigError, IncompatiblePeerError
 from akv.geometry.cache import Group, as_cache, check_block_ids, check_peer
 from akv.geometry.layout import GroupLayout, Placement, rank_layout
 
@@ -124,8 +124,11 @@ def chunks(
         return Chunks(local_ids, remote_ids, None)
     bl, br = local_group.block_size, remote_group.block_size
     ml, mr = local_ids.size, remote_ids.size
+    # Without a token count the listed blocks are full and read whole (sliding groups too:
+    # their window is applied only when the token count says where the sequence ends).
+    window = local_group.window if local_group.kind == "sliding" and num_tokens is not None else 0
     if num_tokens is None:
-        if bl == br and local_group.kind != "sliding":  # whole blocks, the common case
+        if bl == br:  # whole blocks, the common case
             if ml > mr:
                 raise BlockIdError(
                     f"group {name!r}: {ml} local blocks but only {mr} remote blocks: "
@@ -134,8 +137,13 @@ def chunks(
             return Chunks(local_ids, remote_ids[mr - ml :], None)
         num_tokens = mr * br
     n = num_tokens
-    if ml == 0 or n <= 0:
+    if ml == 0:
         return Chunks(local_ids[:0], remote_ids[:0], None)
+    if n <= 0:
+        raise BlockIdError(
+            f"group {name!r}: {ml} local blocks for a request of {n} tokens: give num_tokens > 0 "
+            "(or leave it out when the blocks are full)"
+        )
     g = min(bl, br)
     nl, nr = -(-n // bl), -(-n // br)  # blocks the sequence fills on each side
     if ml > nl:
@@ -147,13 +155,13 @@ def chunks(
             f"group {name!r}: {mr} remote blocks for {n} tokens of {br} per block (at most {nr})"
         )
     start = (nl - ml) * bl
-    if local_group.kind == "sliding":
-        start = max(start, n - local_group.window)
+    if window:
+        start = max(start, n - window)
     first, stop = start // g, -(-n // g)
     if (nr - mr) * br > first * g:
         raise BlockIdError(
-            f"group {name!r}: the prefill side exposes tokens from {(nr - mr) * br}, "
-            f"but tokens from {first * g} are needed"
+            f"group {name!r}: the prefill side exposes tokens from {(nr - mr) * br} of {n}, but "
+            f"tokens from {first * g} are needed: check num_tokens and the remote block ids"
         )
     c = np.arange(first, stop, dtype=np.int64)
     t0 = c * g
@@ -301,6 +309,10 @@ class TransferPlan:
         remote: dict[int, RankMemory],
     ) -> None:
         lc, rc = as_cache(local_spec), as_cache(remote_spec)
+        try:
+            rc.validate()  # the peer's description, as it sent it
+        except ConfigError as exc:
+            raise IncompatiblePeerError(f"the prefill engine's cache is invalid: {exc}", ("spec",)) from None
         check_peer(lc, rc)
         self.local_spec = lc
         self.remote_spec = rc
@@ -439,13 +451,10 @@ class TransferPlan:
         lc, rc = self.local_spec, self.remote_spec
         local = lc.per_group(local_ids, "local_block_ids")
         remote = rc.per_group(remote_ids, "remote_block_ids")
+        if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool)):
+            raise BlockIdError(f"num_tokens must be an integer, got {num_tokens!r}")
         if num_tokens is not None and num_tokens < 0:
             raise BlockIdError(f"num_tokens must be >= 0, got {num_tokens}")
-        if num_tokens is None and any(g.kind == "sliding" for g in lc.groups):
-            full = [i for i, g in enumerate(rc.groups) if g.kind in ("full", "mla")]
-            if not full:
-                raise BlockIdError("a cache with only sliding-window groups needs num_tokens per request")
-            num_tokens = remote[full[0]].size * rc.groups[full[0]].block_size
         per = [
             chunks(lg, rg, li, ri, num_tokens)
             for lg, rg, li, ri in zip(lc.groups, rc.groups, local, remote, strict=True)

@@ -94,8 +94,9 @@ def check_units(tp_size: int, units: int, shard: str, what: str = "units") -> No
             f"(use a TP size that divides {units})"
         )
     if shard == "heads" and units % tp_size and tp_size % units:
+        count = f"{units} {what}" if what == "KV heads" else f"{what}: {units} heads"
         raise ConfigError(
-            f"{units} {what} cannot be split over TP size {tp_size}: one must divide "
+            f"{count} cannot be split over TP size {tp_size}: one must divide "
             f"the other (use a TP size that divides {units} or is a multiple of it)"
         )
     if shard not in ("heads", "split", "replicate"):

@@ -248,7 +248,7 @@ def verify_request(
             pos = _positions(g, len(ids), num_tokens)
             n = num_tokens if num_tokens else len(ids) * g.block_size
             start = int(pos[0]) * g.block_size
-            if g.kind == "sliding":
+            if g.kind == "sliding" and num_tokens:  # the window applies when the end is known
                 start = max(start, n - g.window)
         for region in regions:
             for flat, idx, values, tok in _placed(kv[region], ids, spec, rank, size, region, seed, pos):

@@ -143,6 +143,7 @@ def engine_fields(
     out = []
     for k in (ka, kb):
         layout, joint = draw(st.sampled_from(layouts))
+        joint = joint and group["kind"] in ("full", "sliding")  # K and V planes: attention only
         bs = 1 if state else chunk * k
         need = 1 if state else -(-NMAX // bs)
         out.append(
@@ -403,7 +404,7 @@ def test_nemotron_h_at_tp_16_names_the_groups_that_do_not_split() -> None:
     spec.check_rank(0, 8)
     with pytest.raises(ConfigError, match=r"group 'mamba': B: 8 units cannot be split over TP size 16"):
         spec.check_rank(0, 16)
-    with pytest.raises(ConfigError, match=r"group 'full': 8 k cannot be split over TP size 3"):
+    with pytest.raises(ConfigError, match=r"group 'full': k: 8 heads cannot be split over TP size 3"):
         spec.check_rank(0, 3)
     with pytest.raises(ConfigError, match="16"):
         plans(spec, 8, 16)
@@ -459,8 +460,9 @@ def test_sliding_window_reads_only_window_blocks(n: int, window: int, blocks: li
         assert done.read == set(swa.tolist()) | set(full.tolist())
 
 
-def test_sliding_only_cache_needs_num_tokens() -> None:
-    """A cache of only sliding groups has no full group to count tokens from."""
+def test_sliding_window_needs_the_token_count_to_trim() -> None:
+    """Without num_tokens a sliding group reads every block both lists name (nothing is lost
+    when the last block is partly filled); with it, only the blocks of the window."""
     comps = (Component(name="k", units=1, unit_elems=1, shard="heads"),)
     spec = CacheSpec.create(
         [
@@ -469,16 +471,32 @@ def test_sliding_only_cache_needs_num_tokens() -> None:
                 kind="sliding",
                 layers=(0,),
                 components=comps,
-                num_blocks=4,
+                num_blocks=8,
                 block_size=2,
                 window=2,
             )
         ]
     )
     (plan,) = plans(spec, 1, 1)
-    with pytest.raises(BlockIdError, match="only sliding-window groups needs num_tokens"):
-        plan.prepare("r", [0], [1])
-    assert plan.prepare("r", [0], [1], 2).bytes == 2 * 2  # K of 2 tokens, bfloat16
+    whole = plan.prepare("r", [0, 1, 2], [3, 4, 5])
+    assert whole.read_ids.tolist() == [3, 4, 5] and whole.bytes == 3 * 2 * 2  # 3 blocks of 2 tokens
+    trimmed = plan.prepare("r", [0, 1, 2], [3, 4, 5], 6)
+    assert trimmed.read_ids.tolist() == [5] and trimmed.bytes == 2 * 2
+    # 5 tokens: the window [3, 5) spans the last two blocks
+    assert plan.prepare("r", [0, 1, 2], [3, 4, 5], 5).read_ids.tolist() == [4, 5]
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "match"),
+    [(0, "give num_tokens > 0"), (7.5, "must be an integer"), (True, "must be an integer"), (-1, ">= 0")],
+)
+def test_bad_token_counts_are_block_id_errors(num_tokens: object, match: str) -> None:
+    """A token count that is 0 with blocks to fill, not an integer, or negative is refused
+    instead of reading nothing (or the wrong bytes) and reporting success."""
+    spec = preset("llama-3.1-8b", layers=1, blocks=8, block_size=4)
+    (plan,) = plans(spec, 1, 1)
+    with pytest.raises(BlockIdError, match=match):
+        plan.prepare("r", [0, 1], [2, 3], num_tokens)  # type: ignore[arg-type]
 
 
 def state_spec() -> CacheSpec:

@@ -536,7 +536,7 @@ def spec_pair() -> tuple[KVSpec, TransferPlan]:
         (["a"], [1], None, "integers"),
         ([1, 2, 3], [4, 5, 6], 4, r"3 local blocks for 4 tokens of 2 per block \(at most 2\)"),
         ([1], [4, 5, 6], 4, r"3 remote blocks for 4 tokens"),
-        ([1, 2], [4], 4, "exposes tokens from 2, but tokens from 0 are needed"),
+        ([1, 2], [4], 4, "exposes tokens from 2 of 4, but tokens from 0 are needed"),
         ([1], [2], -1, "num_tokens must be >= 0"),
         ({"other": [1]}, [2], None, "no group"),
     ],

@@ -94,6 +94,22 @@ async def test_bad_block_ids_fail_the_request_only(local: list[int], remote: lis
         assert verify(consumer, [3, 4], 5, [0, 1])
 
 
+async def test_bad_request_ids_and_token_counts_fail_the_request_only() -> None:
+    """A request id that is not a string, and a token count of 0 with blocks to fill, are
+    typed errors of that pull (nothing is read, nothing is released); good pulls go on."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine, decode_engine(spec, 1) as (consumer,):
+        session = await consumer.connect(engine.endpoint)
+        engine.fill("good", [1, 2], seed=5)
+        with pytest.raises(akv.ConfigError, match="request_id must be a non-empty string"):
+            await session.pull(akv.PullRequest(request_id=5, local_block_ids=[3], remote_block_ids=[1]))  # type: ignore[arg-type]
+        with pytest.raises(akv.BlockIdError, match="give num_tokens > 0"):
+            await session.pull("good", [3, 4], [1, 2], num_tokens=0)
+        assert engine.producers[0].pending == 1 and not engine.releases
+        await (await session.pull("good", [3, 4], [1, 2]))
+        assert verify(consumer, [3, 4], 5, [0, 1])
+
+
 async def test_lease_expiry_releases_once_and_late_notice_is_counted() -> None:
     """An unread request is released by lease exactly once; a later pull fails with
     LeaseExpiredError (never success) and its 'done' is counted as unknown."""

@@ -180,3 +180,18 @@ def test_notice_decoder_rejects_garbage_typed(data: bytes) -> None:
         decode_notice(data)
     n = Notice("done", "e", 1, 2, ["a", "b"])
     assert decode_notice(encode_notice(n)) == n
+
+
+def test_hello_with_an_invalid_cache_is_refused_not_fatal() -> None:
+    """A Hello whose cache description was never validated (block size 0, which would divide
+    by zero; a negative block size) gets a ``config`` Error, before any secret is involved,
+    and the conversation ends normally instead of raising."""
+    import msgspec
+
+    for block_size in (0, -16):
+        bad = msgspec.structs.replace(
+            SPEC, groups=tuple(msgspec.structs.replace(g, block_size=block_size) for g in SPEC.groups)
+        )
+        (err,), done = ServerConversation({0: Rank()}, "s3cret").receive(hello(spec=bad))
+        assert isinstance(err, Error) and err.code == "config" and done
+        assert "block_size" in err.message

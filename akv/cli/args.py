@@ -154,6 +154,7 @@ def check_model(a: argparse.Namespace, *tp_flags: str) -> None:
         given = [f for f, v in (("--kv-heads", a.kv_heads), ("--head-dim", a.head_dim)) if v is not None]
         given += ["--mla"] * bool(a.mla) + ["--joint-kv"] * bool(a.joint_kv)
         check(not given, f"{described} describes the model: drop {', '.join(given)}")
+        check(not (a.config and a.layers), "--layers scales a --preset: drop it with --config")
     elif a.kv_heads is None and not a.mla and getattr(a, "kv_heads_default", None):
         a.kv_heads = a.kv_heads_default
     elif a.kv_heads is None and not a.mla:

@@ -75,12 +75,16 @@ class BlockAllocator:
         self._changed = anyio.Event()
 
 
-def _tokens(cache: CacheSpec, req: Any) -> int:
-    """A request's tokens: announced, or its remote blocks of the first group are full."""
+def _tokens(remote: CacheSpec, req: Any) -> int:
+    """A request's tokens: announced, or the prefill engine's blocks of its first token group
+    that the request lists are full."""
     if req.num_tokens:
         return int(req.num_tokens)
-    ids = req.block_ids if not isinstance(req.block_ids, dict) else req.block_ids[cache.groups[0].name]
-    return len(ids) * cache.groups[0].block_size
+    ids = req.block_ids if isinstance(req.block_ids, dict) else {remote.groups[0].name: req.block_ids}
+    group = next((g for g in remote.groups if g.tokens and ids.get(g.name)), None)
+    if group is None:
+        raise ConfigError(f"request {req.request_id!r} announces no token blocks and no num_tokens")
+    return len(ids[group.name]) * group.block_size
 
 
 async def run_decode(
@@ -97,14 +101,6 @@ async def run_decode(
     engine_id = a.engine_id or default_engine_id("decode")
     requests = await fetch_requests(a.connect, spec, a.secret, engine_id)
     cache = as_cache(spec)
-    for req in requests:
-        for name, n in local_counts(cache, _tokens(cache, req)).items():
-            pool = cache.group(name).num_blocks
-            check(
-                n <= pool,
-                f"the prefill engine announces requests needing {n} blocks of group {name!r}, more than "
-                f"--blocks {pool}: raise --blocks to at least {n}",
-            )
     stats = {"verified": 0, "bytes": 0}
     failed: list[str] = []
     errors: list[str] = []
@@ -126,6 +122,17 @@ async def run_decode(
             for d in mine
         }
         sessions = {d: await c.connect(a.connect) for d, c in consumers.items()}
+        remote = sessions[mine[0]].remote_spec
+        if remote is None:  # connect() sets it; a session closed meanwhile has none
+            raise ConfigError("the prefill engine went away during the handshake")
+        for req in requests:
+            for name, n in local_counts(cache, _tokens(remote, req)).items():
+                pool = cache.group(name).num_blocks
+                check(
+                    n <= pool,
+                    f"the prefill engine announces requests needing {n} blocks of group {name!r}, more "
+                    f"than --blocks {pool}: raise --blocks to at least {n}",
+                )
         allocators = {g.name: BlockAllocator(g.num_blocks, seed=a.seed) for g in cache.groups}
         limiter = anyio.CapacityLimiter(max(1, a.concurrency))
         done = 0
@@ -144,7 +151,7 @@ async def run_decode(
 
         async def one(i: int, req: Any) -> None:
             nonlocal done
-            tokens = _tokens(cache, req)
+            tokens = _tokens(remote, req)
             full = next((g for g in cache.groups if g.kind in ("full", "mla")), None)
             blocks = -(-tokens // full.block_size) if full is not None else 0
             hit = 1 if i % 3 == 2 and blocks > 1 else 0  # every third request: a partial prefix hit

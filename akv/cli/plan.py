@@ -27,10 +27,12 @@ def validate(a: argparse.Namespace) -> None:
             f"{'--preset' if a.preset else '--config'} describes the model: drop {', '.join(given)}",
         )
         check(a.request_key >= 0, f"--request-key must be >= 0, got {a.request_key}")
+        check(not (a.config and a.layers), "--layers scales a --preset: drop it with --config")
+        cache = _cache(a)
         for flag, tp in (("--prefill-tp", a.prefill_tp), ("--decode-tp", a.decode_tp)):
             check(tp >= 1, f"{flag} must be >= 1, got {tp}")
             try:
-                _cache(a).check_rank(0, tp)
+                cache.check_rank(0, tp)
             except ConfigError as exc:
                 raise ConfigError(f"{flag} {tp}: {exc}") from None
         return

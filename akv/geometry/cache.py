@@ -167,7 +167,10 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
         if "," in self.layout:
             from akv.geometry.layout import parse_axes
 
-            axes = parse_axes(self.layout, tokens=self.tokens)
+            try:
+                axes = parse_axes(self.layout, tokens=self.tokens)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
             if self.joint_kv:
                 raise ConfigError(f"{where}: joint_kv is for the named per-layer layouts")
             if "comp" in axes and len({(c.units, c.unit_elems, c.shard) for c in self.components}) > 1:
@@ -177,6 +180,8 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
                 f"{where}: layout {self.layout!r}: use one of {', '.join(LAYOUTS)} or an axis order"
             )
         uniform = len({(c.units, c.unit_elems, c.shard) for c in self.components}) == 1
+        if self.joint_kv and self.kind not in ("full", "sliding"):
+            raise ConfigError(f"{where}: joint_kv is for attention groups with K and V")
         if self.joint_kv and (self.layout not in ("HND", "NHD") or not uniform):
             raise ConfigError(
                 f"{where}: joint_kv needs a per-layer layout (HND or NHD) and components of one shape"
@@ -311,7 +316,9 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         if isinstance(ids, Mapping):
             unknown = set(ids) - set(self.names)
             if unknown:
-                raise BlockIdError(f"{what}: no group {sorted(unknown)}; this cache has {list(self.names)}")
+                raise BlockIdError(
+                    f"{what}: no group {sorted(unknown, key=repr)}; this cache has {list(self.names)}"
+                )
             return tuple(g.check_ids(ids.get(g.name, ()), what) for g in self.groups)
         if len(self.groups) != 1:
             raise BlockIdError(

@@ -81,8 +81,9 @@ class GroupLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block (or state slot) of this group over all its regions."""
-        e = self.group.element_size
-        return sum(_numel(s[1:]) * e for s in self.shapes)
+        g = self.group
+        tokens = g.block_size if g.tokens else 1
+        return sum(len(g.layers) * len(p.units) * tokens * p.run for p in self.placements)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +105,6 @@ class RankLayout:
     def dtypes(self) -> tuple[str, ...]:
         """The dtype of each region."""
         return tuple(g.group.dtype for g in self.groups for _ in g.shapes)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
 
 
 def group_layout(group: Group, rank: int, tp_size: int, first_region: int = 0) -> GroupLayout:

@@ -176,6 +176,7 @@ class ServerConversation:
         first = next(iter(self.ranks.values()))
         try:
             sharding.check_tp(msg.tp_rank, msg.tp_size)
+            msg.spec.validate()
         except ConfigError as exc:
             return self._fail("config", f"decode rank: {exc}")
         try:

@@ -71,9 +71,9 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
         remote_block_ids: the request's whole exposure on the prefill engine, always, as it
             announced it after ``expose()``: the pull checks, after its reads, that the
             request is still exposed with exactly these blocks on each prefill rank it read.
-        num_tokens: the request's tokens. Default: the remote blocks of the first full (or
-            MLA) group are full. Needed when the last block is partly filled and the two
-            engines' block sizes differ, and for caches of sliding-window groups only.
+        num_tokens: the request's tokens (> 0). Default: every listed block is full and read
+            whole. Give it when the last block is partly filled and the engines' block sizes
+            differ, and for sliding-window groups to read only the window's blocks.
     """
 
     request_id: str
@@ -580,6 +580,8 @@ class TransferSession:
                 num_tokens=num_tokens,
             )
         c = self.consumer
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise ConfigError(f"request_id must be a non-empty string, got {request.request_id!r}")
         if self.closed or c.closed:
             raise ClosedError("the session is closed")
         if self.plan is None:
