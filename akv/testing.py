@@ -157,14 +157,13 @@ def _mix(key: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 def _groups(spec: Any, block_ids: Any) -> list[tuple[int, Any, list[int], Any]]:
     """(group index, group, its ids, its region indices) for every group given ids."""
     from akv.geometry.cache import as_cache
+    from akv.geometry.layout import group_layout
 
     cache = as_cache(spec)
     per = cache.per_group(block_ids, "block_ids")
     out, first = [], 0
     for gi, (g, ids) in enumerate(zip(cache.groups, per, strict=True)):
-        from akv.geometry.layout import group_layout
-
-        n = len(group_layout(g, 0, 1).shapes)
+        n = len(group_layout(g, 0, 1).shapes)  # region count: the same on every rank
         out.append((gi, g, ids.tolist(), range(first, first + n)))
         first += n
     return out
@@ -291,11 +290,7 @@ def make_requests(
                 f"{count} requests x {need} blocks exceed the {g.num_blocks}-block pool of group {g.name!r}: "
                 "raise --blocks or lower --requests/--blocks-per-request"
             )
-        order = (
-            rng.permutation(g.num_blocks)
-            if len(cache.groups) > 1
-            else np.random.default_rng(seed).permutation(g.num_blocks)
-        )
+        order = rng.permutation(g.num_blocks)
         ids[g.name] = [order[i * need : (i + 1) * need].tolist() for i in range(count)]
     single = len(cache.groups) == 1
     return [

@@ -846,13 +846,7 @@ def add_bench_parser(sub: Any) -> None:
             check_plot(a.plot)  # before the run, not after minutes of it
         tty = sys.stderr.isatty()
         started = time.monotonic()
-        if a.preset:
-            from akv.presets import PRESETS
-
-            if a.preset not in PRESETS:
-                from akv.errors import ConfigError
-
-                raise ConfigError(f"--preset {a.preset}: use one of {', '.join(PRESETS)}")
+        # an unknown preset is a ConfigError naming the known ones, before anything starts
         count = len(WORKLOADS) if not a.preset else len(preset_workloads(a.preset)[0])
         steps = 2 * count + 2  # warm-up and measurement per workload; poller; tables
         bar = ProgressBar(tty, label="bench", width=24)

@@ -276,17 +276,10 @@ def _axes_layout(
                 held[ci],
             )
         )
-        if ci == 0 or per_comp:
-            shapes.append(shape)
-    count = (L if per_layer else 1) * (C if per_comp else 1)
-    if per_layer and per_comp:  # regions are layer-major: reorder the per-component shapes
-        shapes = [shapes[ci] for _ in range(L) for ci in range(C)]
-    elif per_layer:
-        shapes = shapes[:1] * L
-    elif not per_comp:
-        shapes = shapes[:1]
-    assert len(shapes) == count
-    return GroupLayout(g, tuple(shapes), tuple(places))
+        shapes.append(shape)  # per component; equal for all when 'comp' is an axis
+    # one region per (layer, component), layer-major; per layer; per component; or one
+    per_region = [shapes[ci] for _ in range(L if per_layer else 1) for ci in range(C if per_comp else 1)]
+    return GroupLayout(g, tuple(per_region), tuple(places))
 
 
 AXES = ("layer", "comp", "block", "unit", "token", "elem")
