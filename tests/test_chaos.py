@@ -108,6 +108,7 @@ async def run_round(rng: random.Random, faults: Counter[str], n_requests: int, k
                     transfer_timeout=2.0,
                     retries=0,
                     backend=FaultyBackend(f"chaos-d{r}-{rng.random():.9f}", rng, faults),
+                    same_process="nixl",  # the faults are injected into NIXL reads
                 )
             )
             for r in range(d)

@@ -98,7 +98,7 @@ async def scripted_consumer(spec: akv.KVSpec) -> AsyncIterator[tuple[akv.Consume
     backend = ScriptedBackend("scripted-d0")
     backend.script = deque()
     kv = akv.allocate_kv_cache(spec, 0, 1)
-    async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend) as consumer:
+    async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend, same_process="nixl") as consumer:
         yield consumer, backend
 
 

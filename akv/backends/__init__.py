@@ -3,7 +3,7 @@ module of akv that imports ``nixl``; it is loaded only when a rank starts."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
@@ -12,7 +12,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "DlistHandle", "XferHandle", "XferState", "mem_type"]
+__all__ = ["Backend", "DlistHandle", "Reaper", "XferHandle", "XferState", "mem_type"]
 
 XferState = Literal["DONE", "PROC"]
 DlistHandle = Any
@@ -90,3 +90,35 @@ class Backend(Protocol):
     def notify(self, agent: str, message: bytes) -> None: ...
 
     def close(self) -> None: ...
+
+
+class Reaper:
+    """Releases transfer handles, retrying those NIXL cannot release yet (a transfer to a hung
+    peer), and runs each one's ``then`` (e.g. freeing the landing slot it may still write)
+    only once the handle is gone."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._held: dict[XferHandle, Callable[[], None] | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def drop(self, handle: XferHandle, then: Callable[[], None] | None = None) -> None:
+        """Release ``handle`` now if NIXL can, else keep trying on every `retry`."""
+        if self.backend.closed or self.backend.release(handle):
+            if then is not None:
+                then()
+        else:
+            self._held[handle] = then
+
+    def retry(self) -> None:
+        """Try again to release the handles held."""
+        if self.backend.closed:
+            self._held.clear()
+            return
+        for handle, then in list(self._held.items()):
+            if self.backend.release(handle):
+                del self._held[handle]
+                if then is not None:
+                    then()

@@ -123,6 +123,7 @@ class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
     mem_type: str = "DRAM"
     exposure_addr: int = 0  # the rank's exposure table (akv.exposure), registered as DRAM
     exposure_buckets: int = 0
+    process: str = ""  # names the rank's process (akv.runtime.local): a peer there copies instead
 
 
 class Metadata(_Msg, frozen=True, tag=True, kw_only=True):

@@ -14,25 +14,26 @@ import numpy as np
 import numpy.typing as npt
 from anyio.abc import TaskGroup
 
-from akv import exposure
-from akv.backends import DlistHandle, XferHandle, mem_type
+from akv.backends import Reaper, mem_type
 from akv.errors import (
     AkvError,
     BackendError,
     ClosedError,
     ConfigError,
     PeerLostError,
-    TransferError,
     TransferTimeout,
+    UnsafeReadError,
 )
 from akv.geometry.cache import CacheSpec
 from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
+from akv.runtime.paths import Failed, Pending
+from akv.runtime.paths.read import CheckPool
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
-from akv.tracker import Stage, TransferTracker
+from akv.tracker import TransferTracker
 
 if TYPE_CHECKING:
     import torch
@@ -46,34 +47,6 @@ FLUSH_S = 0.5
 #: Seconds after a timed-out pull during which the idle poller still progresses the agent
 #: (every REAP_EVERY_S), so UCX frees the operations to a hung peer once it dies or resumes.
 REAP_S, REAP_EVERY_S = 120.0, 0.25
-
-
-class CheckPool:
-    """Registered landing slots for exposure-table buckets (one per check read in flight)."""
-
-    def __init__(self, size: int) -> None:
-        if size < 1:
-            raise ConfigError(f"max_checks must be >= 1, got {size}")
-        self.array = np.zeros((size, exposure.SLOTS, exposure.SLOT_WORDS), dtype=np.int64)
-        self._free = list(range(size - 1, -1, -1))
-        self.dlist: DlistHandle = None
-
-    def table(self) -> npt.NDArray[np.int64]:
-        """The strided table of the slots (one descriptor per slot)."""
-        size = self.array[0].nbytes
-        return np.array([[self.array.ctypes.data, size, 0, size, len(self.array)]], dtype=np.int64)
-
-    def acquire(self) -> int:
-        """A free slot; [`TransferError`][akv.errors.TransferError] if every one is in use."""
-        if not self._free:
-            raise TransferError(f"{len(self.array)} exposure checks already in flight: raise max_checks")
-        slot = self._free.pop()
-        self.array[slot, :, 0] = 0
-        return slot
-
-    def release(self, slot: int) -> None:
-        """Return a slot (only once no read can still land in it)."""
-        self._free.append(slot)
 
 
 class Consumer(RankBase):
@@ -98,6 +71,10 @@ class Consumer(RankBase):
         retries: reconnect attempts for an unreachable endpoint.
         verify_exposure: check after the reads that the blocks were still exposed for the
             request (one small extra read per prefill rank); turn off only to measure it.
+        same_process: prefill ranks living in this process: ``"auto"`` copies from them with
+            torch (on their device) and reads the others through NIXL; ``"copy"`` requires
+            every prefill rank to live here (an [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError]
+            at connect otherwise); ``"nixl"`` always reads through NIXL.
         max_checks: exposure checks in flight at once.
         backend: a transport backend to use instead of creating a NIXL agent.
         progress_thread: let UCX run its own progress thread.
@@ -121,6 +98,7 @@ class Consumer(RankBase):
         transfer_timeout: float = 30.0,
         retries: int = 3,
         verify_exposure: bool = True,
+        same_process: str = "auto",
         max_checks: int = 1024,
         backend: Backend | None = None,
         progress_thread: bool = False,
@@ -146,6 +124,9 @@ class Consumer(RankBase):
         self.transfer_timeout = transfer_timeout
         self.retries = retries
         self.verify_exposure = verify_exposure
+        if same_process not in ("auto", "copy", "nixl"):
+            raise ConfigError(f"same_process must be 'auto', 'copy' or 'nixl', got {same_process!r}")
+        self.same_process = same_process
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
         self.checks = CheckPool(max_checks)
@@ -154,12 +135,13 @@ class Consumer(RankBase):
         self._connecting: dict[str, anyio.Event] = {}
         self._local_dlists: dict[Any, Any] = {}
         self._tracker = TransferTracker()
-        self._zombies: dict[XferHandle, int | None] = {}  # handle -> check slot it may still write
+        self._reaper: Reaper | None = None
         self._flush_until = 0.0
         self._reap_until = 0.0
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         backend = self.backend
+        self._reaper = Reaper(backend)
         if self.verify_exposure:
             await anyio.to_thread.run_sync(backend.register_host, self.checks.array)
             self.checks.dlist = await anyio.to_thread.run_sync(backend.prep, "", self.checks.table(), "DRAM")
@@ -191,6 +173,13 @@ class Consumer(RankBase):
     def inflight(self) -> int:
         """Pulls launched and not yet settled."""
         return len(self._tracker)
+
+    @property
+    def reaper(self) -> Reaper:
+        """Releases transfer handles, now or once NIXL can (valid inside the context manager)."""
+        if self._reaper is None:
+            raise ClosedError("the consumer is not running")
+        return self._reaper
 
     @property
     def backend_or_none(self) -> Backend | None:
@@ -265,25 +254,9 @@ class Consumer(RankBase):
         self._flush_until = time.monotonic() + FLUSH_S
         self._backoff.wake()
 
-    def drop_handle(self, handle: XferHandle, slot: int | None = None) -> None:
-        """Release a handle; if NIXL cannot yet, keep retrying (and keep its check slot)."""
-        backend = self.backend_or_none
-        if backend is not None and not backend.release(handle):
-            self._zombies[handle] = slot
-        elif slot is not None:
-            self.checks.release(slot)
-
     def fail(self, transfer: Transfer, error: AkvError) -> None:
-        """Fail a pull: release its handles and settle it with ``error``."""
-        slots = {rank: slot for rank, slot in transfer.check_slots.items()}
-        pending = transfer.state.pending
-        for handle, rank in list(pending.items()):
-            self.drop_handle(
-                handle, slots.pop(rank, None) if transfer.state.stage is Stage.CHECKING else None
-            )
-        for slot in slots.values():
-            self.checks.release(slot)
-        transfer.check_slots.clear()
+        """Fail a pull: stop its transfer and settle it with ``error``."""
+        transfer.op.abort()
         was_done = transfer.done()
         transfer.state.fail()
         self._tracker.discard(transfer.state)
@@ -301,60 +274,32 @@ class Consumer(RankBase):
 
     def _complete(self, transfer: Transfer) -> None:
         session = transfer.session
-        error = session.verify(transfer) if transfer.check_slots else None
-        if error is not None:
-            self.metrics.inc("unsafe_reads")
-            self.fail(transfer, error)
-            return
-        for slot in transfer.check_slots.values():
-            self.checks.release(slot)
-        transfer.check_slots.clear()
         self._tracker.discard(transfer.state)
         session.transfers.discard(transfer)
         # Reads carry their own notification; the other ranks (all, if nothing was read) get one now.
-        ranks = transfer.prepared.standalone
-        if ranks:
-            session.notify(ranks, transfer.notice)
+        if transfer.notify:
+            session.notify(transfer.notify, transfer.notice)
         transfer.finish()
         result = transfer.result()
         self.metrics.inc("transfers")
         self.metrics.observe_transfer(result.bytes, result.descriptors, result.seconds)
 
-    def _stage_over(self, transfer: Transfer) -> None:
-        checking = self.verify_exposure and bool(transfer.prepared.posts)
-        if transfer.state.advance(checking) is Stage.CHECKING:
-            try:
-                transfer.session.post_checks(transfer)
-            except TransferError as exc:
-                transfer.session.mark_broken(exc, getattr(exc, "prefill_rank", None))
-                self.fail(transfer, exc)
-                return
-            self._check(transfer, time.monotonic())
-            return
-        self._complete(transfer)
-
     def _check(self, transfer: Transfer, now: float) -> bool:
-        """Poll one transfer's handles; True if anything changed."""
+        """Poll one transfer; True if anything changed."""
         state = transfer.state
         if state.finished:
             return False
-        backend = self.backend
-        changed = False
-        for handle in list(state.pending):
-            try:
-                done = backend.state(handle) == "DONE"
-            except TransferError as exc:
-                transfer.session.mark_broken(exc, state.pending.get(handle))
-                self.fail(transfer, exc)
-                return True
-            if done:
-                backend.release(handle)
-                changed = True
-                if state.completed(handle):
-                    self._stage_over(transfer)
-                    return True
-        if not state.pending:
-            self._stage_over(transfer)
+        outcome = transfer.op.poll()
+        if outcome is None:
+            self._complete(transfer)
+            return True
+        if isinstance(outcome, Failed):
+            if isinstance(outcome.error, UnsafeReadError):
+                self.metrics.inc("unsafe_reads")
+            transfer.session.mark_broken(outcome.error, outcome.rank)
+            self.fail(transfer, outcome.error)
+            if outcome.notify:
+                transfer.session.notify(outcome.notify, transfer.notice)
             return True
         if state.timed_out(now):
             self.fail(
@@ -367,7 +312,7 @@ class Consumer(RankBase):
             return True
         if state.heartbeat_due(now):
             transfer.session.extend([transfer.request_id])
-        return changed
+        return isinstance(outcome, Pending) and outcome.changed
 
     async def _poll(self) -> None:
         backoff = self._backoff
@@ -380,11 +325,9 @@ class Consumer(RankBase):
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.fail(transfer, exc)
             backend = self.backend
-            for handle, slot in list(self._zombies.items()):
-                if backend.release(handle):
-                    del self._zombies[handle]
-                    if slot is not None:
-                        self.checks.release(slot)
+            reaper = self.reaper
+            if len(reaper):
+                reaper.retry()
             if progressed:
                 backoff.progressed()
             flushing = now < self._flush_until
@@ -397,5 +340,5 @@ class Consumer(RankBase):
             if len(self._tracker) or flushing:
                 await backoff.wait(busy=True)
             else:
-                limit = 0.01 if self._zombies else REAP_EVERY_S if reaping else math.inf
+                limit = 0.01 if len(reaper) else REAP_EVERY_S if reaping else math.inf
                 await backoff.wait(busy=False, limit=limit)

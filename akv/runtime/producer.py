@@ -27,6 +27,7 @@ from akv.geometry.spec import KVSpec
 from akv.ledger import Release, ReleaseLedger, ReleaseReason, check_lease
 from akv.protocol.address import Endpoint, check_engine_id, parse_endpoint
 from akv.protocol.messages import Notice, RankInfo, Register, decode_notice
+from akv.runtime import local
 from akv.runtime.control import ControlServer, register_rank
 from akv.runtime.rank import RankBase, default_engine_id
 
@@ -173,6 +174,8 @@ class Producer(RankBase):
             self.engine_id = hosted.engine_id  # ranks sharing a server are one engine
         self.server.add(self)
         stack.callback(self.server.remove, self)
+        local.publish(self.backend.name, self.kv_caches, self.ledger.table.array)
+        stack.callback(local.withdraw, self.backend.name)
         if self._own_server:
             await tg.start(self.server.serve)
         tg.start_soon(self._poll)
@@ -257,6 +260,7 @@ class Producer(RankBase):
                 mem_type=mem,
                 exposure_addr=int(table.array.ctypes.data),
                 exposure_buckets=table.buckets,
+                process=local.PROCESS_TOKEN,
             )
         return self._info
 

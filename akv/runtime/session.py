@@ -34,7 +34,7 @@ from akv.errors import (
     UnsafeReadError,
 )
 from akv.geometry.cache import CacheSpec
-from akv.plan import Prepared, RankMemory, ReadOp, TransferPlan
+from akv.plan import Prepared, RankMemory, TransferPlan
 from akv.protocol.address import (
     BootstrapAddress,
     Endpoint,
@@ -45,6 +45,11 @@ from akv.protocol.address import (
 )
 from akv.protocol.handshake import HandshakeResult
 from akv.protocol.messages import Challenge, Hello, Notice, RankInfo, encode_notice
+from akv.runtime import local
+from akv.runtime.local import LocalRank
+from akv.runtime.paths import Failed, PathName, PathOp
+from akv.runtime.paths.copy import CopyPlan
+from akv.runtime.paths.read import NixlRead, RankCheck, ReadPost
 from akv.runtime.rank import _leaves
 from akv.tracker import Stage, TransferState
 
@@ -88,9 +93,12 @@ class TransferResult(msgspec.Struct, frozen=True):
     Attributes:
         request_id: the request.
         bytes: data bytes moved into this rank's cache.
-        descriptors: descriptors submitted to NIXL.
-        reads: reads posted, one per prefill rank read from.
+        descriptors: byte runs moved: descriptors submitted to NIXL on the read path, runs
+            copied on the copy path (the same count for the same request).
+        reads: prefill ranks read from (one read, or one copy, each).
         seconds: wall time from launch to completion.
+        path: how the bytes moved: ``"copy"`` (torch, the prefill ranks live in this
+            process) or ``"read"`` (NIXL READs).
     """
 
     request_id: str
@@ -98,6 +106,7 @@ class TransferResult(msgspec.Struct, frozen=True):
     descriptors: int
     reads: int
     seconds: float
+    path: str = "read"
 
 
 class Transfer:
@@ -116,15 +125,16 @@ class Transfer:
         prepared: Prepared,
         notice: bytes,
         state: TransferState,
+        op: PathOp,
+        notify: tuple[int, ...],
     ) -> None:
         self.session = session
         self.request_id = request_id
         self.prepared = prepared
-        self.remote_ids = prepared.remote_ids  # the whole exposure, as given (flat over groups)
-        self.read_ids = prepared.read_ids  # the remote blocks actually read
         self.notice = notice  # the "done" notice
         self.state = state
-        self.check_slots: dict[int, int] = {}  # prefill rank -> slot of the check pool
+        self.op = op  # the transfer on its path
+        self.notify = notify  # prefill ranks notified once it is done (a read's carry their notice)
         self._event: anyio.Event | None = None  # created only if someone waits unfinished
         self._result: TransferResult | None = None
         self._error: AkvError | None = None
@@ -138,6 +148,11 @@ class Transfer:
     def bytes(self) -> int:
         """Data bytes this pull moves."""
         return self.prepared.bytes
+
+    @property
+    def path(self) -> PathName:
+        """The transfer path moving its bytes: ``"copy"`` or ``"read"``."""
+        return self.op.path
 
     def done(self) -> bool:
         """True once the transfer completed or failed."""
@@ -173,7 +188,12 @@ class Transfer:
         if error is None:
             p = self.prepared
             self._result = TransferResult(
-                self.request_id, p.bytes, p.descriptors, len(p.posts), time.monotonic() - self.state.started
+                self.request_id,
+                p.bytes,
+                p.descriptors,
+                len(p.posts),
+                time.monotonic() - self.state.started,
+                self.op.path,
             )
             self.state.stage = Stage.DONE
         else:
@@ -194,7 +214,8 @@ class RankLink:
     rank: int
     info: RankInfo
     agent: str
-    check: tuple[Any, int] | None = None  # (prepared exposure-table list, buckets)
+    check: RankCheck | None = None  # its exposure table, prepared
+    local: LocalRank | None = None  # the rank itself, if it lives in this process
     broken: bool = False
     loading: anyio.Event | None = None
 
@@ -222,6 +243,7 @@ class TransferSession:
         self.plan: TransferPlan | None = None
         self.links: dict[int, RankLink] = {}
         self.dlists: dict[Any, Any] = {}
+        self.copier: CopyPlan | None = None  # the copy path's plan, if ranks live in this process
         self.closed = False
         self.transfers: set[Transfer] = set()
         self._loading: anyio.Event | None = None
@@ -396,6 +418,14 @@ class TransferSession:
 
     async def _install_locked(self, ch: Challenge, infos: dict[int, RankInfo]) -> None:
         c = self.consumer
+        if c.same_process == "copy":
+            elsewhere = sorted(r for r, i in infos.items() if local.find(i) is None)
+            if elsewhere:
+                raise IncompatiblePeerError(
+                    f"prefill ranks {elsewhere} of engine {ch.engine_id!r} do not live in this process: "
+                    "same_process='copy' needs every one here (use 'auto' to copy only when they are)",
+                    ("same_process",),
+                )
         if c.verify_exposure:
             missing = sorted(r for r, i in infos.items() if not i.exposure_buckets)
             if missing:
@@ -435,6 +465,8 @@ class TransferSession:
             for link in fresh.values():
                 link.loading = None
             installed.set()
+        here = {r: link.local for r, link in self.links.items() if link.local is not None and not link.broken}
+        self.copier = CopyPlan(plan.tables, c.kv_caches, here) if here else None
         self.remote_engine_id = ch.engine_id
         self.remote_spec = ch.spec
         self.prefill_tp = ch.tp_size
@@ -448,13 +480,15 @@ class TransferSession:
         try:
             for rank, info in infos.items():
                 link = out[rank] = RankLink(rank, info, backend.add_remote(info.agent_metadata))
+                if self.consumer.same_process != "nixl":
+                    link.local = local.find(info)
                 backend.connect(link.agent)  # so the first pull does not pay for wire-up
                 if self.consumer.verify_exposure:
                     table = np.array(
                         [[info.exposure_addr, bucket_bytes, 0, bucket_bytes, info.exposure_buckets]],
                         dtype=np.int64,
                     )
-                    link.check = (backend.prep(link.agent, table, "DRAM"), info.exposure_buckets)
+                    link.check = RankCheck(backend.prep(link.agent, table, "DRAM"), info.exposure_buckets)
         except BaseException:
             for link in out.values():
                 self._drop(link)
@@ -483,15 +517,18 @@ class TransferSession:
                 backend.release_dlist(handle)
         if backend is not None:
             if link.check is not None:
-                backend.release_dlist(link.check[0])
+                backend.release_dlist(link.check.dlist)
             backend.remove_remote(link.agent)
         link.check = None
+        link.local = None
         link.broken = True
+        if self.copier is not None:
+            self.copier.remote.pop(link.rank, None)
 
     def _fail_rank(self, rank: int, error: AkvError) -> None:
         """Fail the pulls in flight that wait on reads from ``rank``."""
         for transfer in list(self.transfers):
-            if rank in transfer.state.pending.values():
+            if rank in transfer.op.ranks:
                 self.consumer.fail(transfer, error)
 
     def _unload(self) -> None:
@@ -500,6 +537,7 @@ class TransferSession:
         self.links.clear()
         self.dlists.clear()
         self.plan = None
+        self.copier = None
         self._registry = None
 
     async def relink(self, ranks: Sequence[int]) -> None:
@@ -532,17 +570,20 @@ class TransferSession:
         if lost and not todo:
             await self.relink(lost)  # the other caller's attempt failed: try ourselves
 
-    def mark_broken(self, error: AkvError, rank: int | None = None) -> None:
+    def mark_broken(self, error: AkvError, rank: int | None) -> None:
         """Note a failed read: the next pull needing that rank re-handshakes with it (nothing
         clears that but a successful handshake). A rank that went away does not always show
         as PeerLostError (NIXL may just report the transfer in error), so any transfer error
         counts, except a timeout (the peer may only be slow, and a handshake with a hung peer
-        would just time out too) and a failed exposure check (the link is fine)."""
-        if not isinstance(error, TransferError) or isinstance(error, (TransferTimeout, UnsafeReadError)):
+        would just time out too), a failed exposure check (the link is fine) and a failure
+        that is no rank's (``rank`` None: e.g. every exposure-check slot busy)."""
+        if rank is None or not isinstance(error, TransferError):
             return
-        for r, link in self.links.items():
-            if rank is None or r == rank:
-                link.broken = True
+        if isinstance(error, (TransferTimeout, UnsafeReadError)):
+            return
+        link = self.links.get(rank)
+        if link is not None:
+            link.broken = True
 
     # -- pulling -------------------------------------------------------------------------
 
@@ -589,6 +630,11 @@ class TransferSession:
         plan = self.plan
         if plan is None:  # pragma: no cover - a handshake sets it or raises
             raise ClosedError("the session is closed")
+        for r in plan.notify:  # a rank of this process that closed: link again (it may have restarted)
+            here = self.links[r].local
+            if here is not None and not local.alive(here):
+                self._fail_rank(r, PeerLostError(f"prefill rank {r} of this process closed"))
+                self.links[r].broken = True
         while lost := [r for r in plan.notify if self.links[r].broken or self.links[r].loading]:
             await self.relink(lost)  # other ranks may be re-linking meanwhile: look again after
             plan = self.plan
@@ -601,13 +647,56 @@ class TransferSession:
         timeout = c.transfer_timeout if transfer_timeout is None else transfer_timeout
         heartbeat = self.lease_s / 3 if self.lease_s > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
-        transfer = Transfer(self, request.request_id, prepared, notice, state)
-        if prepared.posts:
-            # With the exposure check, the notice rides on the check read (after the data).
-            self._post(transfer, prepared.posts, b"" if c.verify_exposure else notice)
+        op, notify = self._launch(prepared, request.request_id, notice)
+        transfer = Transfer(self, request.request_id, prepared, notice, state, op, notify)
         self.transfers.add(transfer)
         c.track(transfer)
         return transfer
+
+    def path_for(self, prepared: Prepared) -> PathName:
+        """The path a prepared request takes: ``"copy"`` if every prefill rank it reads from
+        lives in this process (and the consumer allows it), else ``"read"``."""
+        ranks = {op.remote_rank for op, _, _ in prepared.posts}
+        copier = self.copier
+        if copier is not None and self.consumer.same_process != "nixl" and copier.covers(ranks):
+            return "copy"
+        return "read"
+
+    def _launch(self, prepared: Prepared, request_id: str, notice: bytes) -> tuple[PathOp, tuple[int, ...]]:
+        """Start a prepared request on its path; returns the op and the ranks to notify once done."""
+        c = self.consumer
+        plan = self.plan
+        assert plan is not None
+        if self.path_for(prepared) == "copy":
+            assert self.copier is not None
+            launched = self.copier.launch(prepared, request_id, plan.notify, check=c.verify_exposure)
+            if isinstance(launched, Failed):
+                c.metrics.inc("transfers_failed")
+                raise launched.error
+            return launched, plan.notify
+        posts = [
+            ReadPost(op.remote_rank, self.dlists[op.local_table], li, self.dlists[op.remote_table], ri)
+            for op, li, ri in prepared.posts
+        ]
+        checks = {post.rank: self.links[post.rank].check for post in posts} if c.verify_exposure else None
+        read = NixlRead(
+            c.backend,
+            c.reaper,
+            posts,
+            request_id=request_id,
+            remote_ids=prepared.remote_ids,
+            read_ids=prepared.read_ids,
+            notice=notice,
+            checks=checks,
+            pool=c.checks if c.verify_exposure else None,
+        )
+        failed = read.start()
+        if failed is not None:
+            self.mark_broken(failed.error, failed.rank)
+            c.reap()
+            c.metrics.inc("transfers_failed")
+            raise failed.error
+        return read, prepared.standalone
 
     def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32]) -> bytes:
         """The "done" notice of a request, with the digest of its prefill block ids."""
@@ -615,63 +704,6 @@ class TransferSession:
         return encode_notice(
             Notice("done", c.engine_id, c.tp_rank, c.tp_size, [request_id], [exposure.digest(remote_all)])
         )
-
-    def _post(
-        self,
-        transfer: Transfer,
-        posts: Sequence[tuple[ReadOp, npt.NDArray[np.int32], npt.NDArray[np.int32]]],
-        notice: bytes,
-    ) -> None:
-        backend = self.consumer.backend
-        for op, lidx, ridx in posts:
-            try:
-                handle = backend.read(
-                    self.dlists[op.local_table], lidx, self.dlists[op.remote_table], ridx, notice
-                )
-            except TransferError as exc:
-                self.mark_broken(exc, op.remote_rank)
-                self.consumer.reap()
-                for posted in transfer.state.fail():
-                    self.consumer.drop_handle(posted)
-                self.consumer.metrics.inc("transfers_failed")
-                raise
-            transfer.state.post(handle, op.remote_rank)
-
-    def post_checks(self, transfer: Transfer) -> None:
-        """Read the exposure-table bucket of the request from every rank read from (with the notice)."""
-        c = self.consumer
-        h = exposure.request_hash(transfer.request_id)
-        for rank in {op.remote_rank for op, _, _ in transfer.prepared.posts}:
-            link = self.links.get(rank)
-            check = link.check if link is not None else None
-            if check is None:  # the rank was re-linked (or lost) since the data reads
-                raise PeerLostError(f"prefill rank {rank} was re-linked during this pull")
-            dlist, buckets = check
-            slot = c.checks.acquire()
-            transfer.check_slots[rank] = slot
-            handle = c.backend.read(
-                c.checks.dlist,
-                np.array([slot], dtype=np.int32),
-                dlist,
-                np.array([h % buckets], dtype=np.int32),
-                transfer.notice,
-            )
-            transfer.state.post(handle, rank)
-
-    def verify(self, transfer: Transfer) -> AkvError | None:
-        """Check the buckets read by `post_checks`; None if every block was still exposed."""
-        checks = self.consumer.checks
-        for rank, slot in transfer.check_slots.items():
-            error = exposure.verify(
-                checks.array[slot],
-                transfer.request_id,
-                transfer.remote_ids,
-                prefill_rank=rank,
-                read_ids=transfer.read_ids,
-            )
-            if error is not None:
-                return error
-        return None
 
     def notify(self, ranks: Sequence[int], notice: bytes) -> None:
         """Send a notice to prefill ranks; a failure only logs (the rank releases by lease)."""

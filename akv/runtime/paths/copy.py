@@ -1,0 +1,270 @@
+"""The copy path: the prefill ranks a pull reads from live in this process, so torch copies
+the bytes on the tensors' device (never NIXL loopback, which CUDA IPC refuses within one
+process).
+
+The plan's tables are the same as the read path's: each row is one run of ``len`` bytes at
+``addr + block * stride``. A request's descriptor indices name (row, block) pairs on both
+sides; consecutive indices sharing a row pair become one gather/scatter over a strided view
+of the region (``[blocks, len]``, in the widest integer type that the run's offsets allow),
+or a few slice copies when the blocks are consecutive on both sides. On CUDA the copies run
+on a side stream (ordered after the work already queued on the device's current stream) and
+the pull completes when an event recorded after them has fired; the exposure check then
+reads the prefill rank's table directly, with the same rule as a read: success only if the
+blocks were still exposed for the request once the bytes were in place.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from akv import exposure
+from akv.errors import TransferError
+from akv.runtime.paths import Failed, Outcome, PathName, Pending
+
+if TYPE_CHECKING:
+    import torch
+
+    from akv.plan import Prepared, TableKey
+    from akv.runtime.local import LocalRank
+
+__all__ = ["CopyPlan", "LocalCopy"]
+
+#: Consecutive-block runs up to which a row pair is copied by slices rather than by index.
+MAX_SLICES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """One strided table, per row: region, offset in it, run bytes, block stride, block count,
+    and the descriptor index of its block 0."""
+
+    tensors: tuple[Any, ...]  # the side's regions
+    region: npt.NDArray[np.int64]
+    offset: npt.NDArray[np.int64]
+    length: npt.NDArray[np.int64]
+    stride: npt.NDArray[np.int64]
+    count: npt.NDArray[np.int64]
+    start: npt.NDArray[np.int64]
+
+
+def _rows(table: npt.NDArray[np.int64], tensors: Sequence[torch.Tensor]) -> _Rows:
+    bases = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    sizes = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
+    order = np.argsort(bases)
+    addr = table[:, 0]
+    pos = np.searchsorted(bases[order], addr, side="right") - 1
+    region = order[np.clip(pos, 0, None)]
+    offset = addr - bases[region]
+    count = table[:, 4]
+    end = offset + (count - 1) * table[:, 3] + table[:, 1]
+    if (pos < 0).any() or (offset < 0).any() or (end > sizes[region]).any():
+        raise TransferError("a copy run lies outside the registered regions (the plan and tensors disagree)")
+    start = np.zeros(len(table), dtype=np.int64)
+    np.cumsum(count[:-1], out=start[1:])
+    return _Rows(tuple(tensors), region, offset, table[:, 1].copy(), table[:, 3].copy(), count.copy(), start)
+
+
+class CopyPlan:
+    """A session's copy plan for the prefill ranks of this process: row maps of the plan's
+    tables and byte views of both sides' regions, built once per transfer plan."""
+
+    def __init__(
+        self,
+        tables: Mapping[TableKey, npt.NDArray[np.int64]],
+        local: Sequence[torch.Tensor],
+        remote: Mapping[int, LocalRank],
+    ) -> None:
+        self.remote = dict(remote)
+        self.rows: dict[TableKey, _Rows] = {}
+        for key, table in tables.items():
+            if key[0] == "local":
+                self.rows[key] = _rows(table, local)
+            elif int(key[1]) in self.remote:  # type: ignore[call-overload]
+                self.rows[key] = _rows(table, self.remote[int(key[1])].tensors)  # type: ignore[call-overload]
+        self._views: dict[tuple[int, int], Any] = {}
+        self._streams: dict[Any, Any] = {}
+
+    def covers(self, ranks: Sequence[int] | set[int]) -> bool:
+        """True if every one of ``ranks`` lives in this process."""
+        return all(r in self.remote for r in ranks)
+
+    def launch(
+        self, prepared: Prepared, request_id: str, notify: Sequence[int], *, check: bool
+    ) -> LocalCopy | Failed:
+        """Copy a prepared request's runs (on CUDA: queue them); the op completes the pull."""
+        import torch
+
+        ranks = sorted({op.remote_rank for op, _, _ in prepared.posts})
+        streams: set[Any] = set()
+        try:
+            for op, li, ri in prepared.posts:
+                lt, rt = self.rows[op.local_table], self.rows[op.remote_table]
+                streams |= self._copy_op(lt, rt, li, ri)
+            events = []
+            for stream in streams:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                events.append(event)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
+        checks = [(r, self.remote[r]) for r in ranks] if check else None
+        return LocalCopy(events, checks, request_id, prepared.remote_ids, prepared.read_ids, tuple(notify))
+
+    # -- copying ------------------------------------------------------------------------
+
+    def _copy_op(
+        self, lt: _Rows, rt: _Rows, li: npt.NDArray[np.int32], ri: npt.NDArray[np.int32]
+    ) -> set[Any]:
+        """Copy one prefill rank's runs; returns the CUDA streams used."""
+        lrow = np.searchsorted(lt.start, li, side="right") - 1
+        rrow = np.searchsorted(rt.start, ri, side="right") - 1
+        lblk = li - lt.start[lrow]
+        rblk = ri - rt.start[rrow]
+        cut = np.flatnonzero((lrow[1:] != lrow[:-1]) | (rrow[1:] != rrow[:-1])) + 1
+        bounds = [0, *cut.tolist(), len(li)]
+        streams: set[Any] = set()
+        for s, e in itertools.pairwise(bounds):
+            streams |= self._copy_rows(lt, int(lrow[s]), rt, int(rrow[s]), lblk[s:e], rblk[s:e])
+        return streams
+
+    def _view(self, tensor: torch.Tensor, width: int) -> torch.Tensor:
+        """A 1-D view of a region's bytes in an integer type of ``width`` bytes."""
+        import torch
+
+        key = (id(tensor), width)
+        view = self._views.get(key)
+        if view is None:
+            dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+            view = self._views[key] = tensor.reshape(-1).view(torch.uint8).view(dtype)
+        return view
+
+    def _stream(self, device: Any) -> Any:
+        """The side stream of a CUDA device (ordered after the work queued so far)."""
+        import torch
+
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
+
+    def _copy_rows(
+        self,
+        lt: _Rows,
+        lrow: int,
+        rt: _Rows,
+        rrow: int,
+        lblk: npt.NDArray[np.int64],
+        rblk: npt.NDArray[np.int64],
+    ) -> set[Any]:
+        import torch
+
+        length = int(lt.length[lrow])
+        if length != int(rt.length[rrow]):
+            raise ValueError(f"run lengths differ ({length} and {int(rt.length[rrow])} bytes)")
+        dst_t, src_t = lt.tensors[int(lt.region[lrow])], rt.tensors[int(rt.region[rrow])]
+        parts = (
+            int(lt.offset[lrow]),
+            int(rt.offset[rrow]),
+            length,
+            int(lt.stride[lrow]),
+            int(rt.stride[rrow]),
+            dst_t.numel() * dst_t.element_size(),
+            src_t.numel() * src_t.element_size(),
+        )
+        width = next(w for w in (8, 4, 2, 1) if all(p % w == 0 for p in parts))
+        dst = torch.as_strided(
+            self._view(dst_t, width),
+            (int(lt.count[lrow]), length // width),
+            (int(lt.stride[lrow]) // width, 1),
+            int(lt.offset[lrow]) // width,
+        )
+        src = torch.as_strided(
+            self._view(src_t, width),
+            (int(rt.count[rrow]), length // width),
+            (int(rt.stride[rrow]) // width, 1),
+            int(rt.offset[rrow]) // width,
+        )
+        if dst.device == src.device and dst.device.type == "cuda":
+            stream = self._stream(dst.device)
+            stream.wait_stream(torch.cuda.current_stream(dst.device))
+            with torch.cuda.stream(stream):
+                _gather_scatter(dst, src, lblk, rblk)
+            return {stream}
+        _gather_scatter(dst, src, lblk, rblk)  # CPU, or across devices: their current streams
+        return {torch.cuda.current_stream(d) for d in {dst.device, src.device} if d.type == "cuda"}
+
+
+def _gather_scatter(
+    dst: torch.Tensor, src: torch.Tensor, lblk: npt.NDArray[np.int64], rblk: npt.NDArray[np.int64]
+) -> None:
+    """``dst[lblk] = src[rblk]``: slice copies for a few consecutive runs, else one gather and
+    one scatter."""
+    import torch
+
+    breaks = np.flatnonzero((np.diff(lblk) != 1) | (np.diff(rblk) != 1)) + 1
+    if len(breaks) < MAX_SLICES:
+        bounds = [0, *breaks.tolist(), len(lblk)]
+        for s, e in itertools.pairwise(bounds):
+            a, b = int(lblk[s]), int(rblk[s])
+            dst[a : a + e - s].copy_(src[b : b + e - s], non_blocking=True)
+        return
+    ridx = torch.from_numpy(np.ascontiguousarray(rblk, dtype=np.int64)).to(src.device, non_blocking=True)
+    lidx = torch.from_numpy(np.ascontiguousarray(lblk, dtype=np.int64)).to(dst.device, non_blocking=True)
+    dst.index_copy_(0, lidx, src.index_select(0, ridx).to(dst.device, non_blocking=True))
+
+
+class LocalCopy:
+    """One pull on the copy path: its CUDA events (none on CPU: the copies are done at
+    launch), then the exposure check against the prefill ranks' tables."""
+
+    path: PathName = "copy"
+
+    def __init__(
+        self,
+        events: list[Any],
+        checks: list[tuple[int, LocalRank]] | None,
+        request_id: str,
+        remote_ids: npt.NDArray[np.int32],
+        read_ids: npt.NDArray[np.int32],
+        notify: tuple[int, ...],
+    ) -> None:
+        self.events = events
+        self.checks = checks
+        self.request_id = request_id
+        self.remote_ids = remote_ids
+        self.read_ids = read_ids
+        self.notify = notify  # every prefill rank to notify: a copy carries no notice
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        """Empty: ranks of this process are not lost mid-copy."""
+        return frozenset()
+
+    def poll(self) -> Outcome:
+        """None once the copies are done and the blocks were still exposed."""
+        if self.events:
+            if not all(e.query() for e in self.events):
+                return Pending()
+            self.events = []
+        if self.checks:
+            h = exposure.request_hash(self.request_id)
+            for rank, local in self.checks:
+                bucket = local.table[h % local.buckets].copy()
+                error = exposure.verify(
+                    bucket, self.request_id, self.remote_ids, prefill_rank=rank, read_ids=self.read_ids
+                )
+                if error is not None:
+                    return Failed(error, notify=tuple(r for r, _ in self.checks))
+        return None
+
+    def abort(self) -> None:
+        """Wait for the queued copies: none writes after this returns."""
+        for event in self.events:
+            event.synchronize()
+        self.events = []

@@ -1,0 +1,208 @@
+"""The read path: NIXL READs of the paged runs, then the exposure check.
+
+A pull reads in two stages: ``reading`` (one READ per prefill rank, of the plan's runs) and
+``checking`` (one small READ per prefill rank read from, of the exposure-table bucket that
+proves the blocks were still exposed when the data reads completed; it carries the "done"
+notice, so the prefill rank cannot release before the check was read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from akv import exposure
+from akv.backends import Backend, DlistHandle, Reaper, XferHandle
+from akv.errors import ConfigError, PeerLostError, TransferError
+from akv.runtime.paths import Failed, Outcome, PathName, Pending
+
+__all__ = ["CheckPool", "NixlRead", "RankCheck", "ReadPost"]
+
+
+class CheckPool:
+    """Registered landing slots for exposure-table buckets (one per check read in flight)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ConfigError(f"max_checks must be >= 1, got {size}")
+        self.array = np.zeros((size, exposure.SLOTS, exposure.SLOT_WORDS), dtype=np.int64)
+        self._free = list(range(size - 1, -1, -1))
+        self.dlist: DlistHandle = None
+
+    def table(self) -> npt.NDArray[np.int64]:
+        """The strided table of the slots (one descriptor per slot)."""
+        size = self.array[0].nbytes
+        return np.array([[self.array.ctypes.data, size, 0, size, len(self.array)]], dtype=np.int64)
+
+    def acquire(self) -> int:
+        """A free slot; [`TransferError`][akv.errors.TransferError] if every one is in use."""
+        if not self._free:
+            raise TransferError(f"{len(self.array)} exposure checks already in flight: raise max_checks")
+        slot = self._free.pop()
+        self.array[slot, :, 0] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Return a slot (only once no read can still land in it)."""
+        self._free.append(slot)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPost:
+    """One READ of a request from one prefill rank: prepared lists and indices."""
+
+    rank: int
+    local: DlistHandle
+    local_idx: npt.NDArray[np.int32]
+    remote: DlistHandle
+    remote_idx: npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True)
+class RankCheck:
+    """Where a prefill rank's exposure table is: its prepared list and bucket count."""
+
+    dlist: DlistHandle
+    buckets: int
+
+
+class NixlRead:
+    """One pull on the read path (see the module). ``checks`` None: no exposure check, the
+    data reads carry the notice."""
+
+    path: PathName = "read"
+
+    def __init__(
+        self,
+        backend: Backend,
+        reaper: Reaper,
+        posts: Sequence[ReadPost],
+        *,
+        request_id: str,
+        remote_ids: npt.NDArray[np.int32],
+        read_ids: npt.NDArray[np.int32],
+        notice: bytes,
+        checks: Mapping[int, RankCheck | None] | None,
+        pool: CheckPool | None,
+    ) -> None:
+        self.backend = backend
+        self.reaper = reaper
+        self.posts = posts
+        self.request_id = request_id
+        self.remote_ids = remote_ids
+        self.read_ids = read_ids
+        self.notice = notice
+        self.checks = checks
+        self.pool = pool
+        self.checking = False
+        self._pending: dict[XferHandle, int] = {}
+        self._slots: dict[int, int] = {}  # prefill rank -> check slot
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        """The prefill ranks with a read still in flight."""
+        return frozenset(self._pending.values())
+
+    def start(self) -> Failed | None:
+        """Post the data reads; on failure nothing stays posted."""
+        notice = b"" if self.checks is not None else self.notice
+        for post in self.posts:
+            try:
+                handle = self.backend.read(post.local, post.local_idx, post.remote, post.remote_idx, notice)
+            except TransferError as exc:
+                self.abort()
+                return Failed(exc, post.rank)
+            self._pending[handle] = post.rank
+        return None
+
+    def poll(self) -> Outcome:
+        """Poll the reads in flight; post the checks once the data is in; verify them."""
+        changed = False
+        for handle, rank in list(self._pending.items()):
+            try:
+                done = self.backend.state(handle) == "DONE"
+            except TransferError as exc:
+                return Failed(exc, rank)
+            if done:
+                del self._pending[handle]
+                self.reaper.drop(handle)
+                changed = True
+        if self._pending:
+            return Pending(changed)
+        if self.checks is None:
+            return None
+        if not self.checking:
+            self.checking = True
+            failed = self._post_checks()
+            return failed if failed is not None else self.poll()
+        error = self._verify()
+        if error is not None:
+            return Failed(error)
+        self._free_slots()
+        return None
+
+    def _post_checks(self) -> Failed | None:
+        """Read the request's exposure-table bucket from every rank read from (with the notice)."""
+        assert self.checks is not None and self.pool is not None
+        h = exposure.request_hash(self.request_id)
+        for rank in sorted({post.rank for post in self.posts}):
+            check = self.checks.get(rank)
+            if check is None:  # the rank was re-linked (or lost) since the data reads
+                return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
+            try:
+                slot = self.pool.acquire()
+            except TransferError as exc:
+                return Failed(exc)
+            self._slots[rank] = slot
+            try:
+                handle = self.backend.read(
+                    self.pool.dlist,
+                    np.array([slot], dtype=np.int32),
+                    check.dlist,
+                    np.array([h % check.buckets], dtype=np.int32),
+                    self.notice,
+                )
+            except TransferError as exc:
+                return Failed(exc, rank)
+            self._pending[handle] = rank
+        return None
+
+    def _verify(self) -> TransferError | None:
+        assert self.pool is not None
+        for rank, slot in self._slots.items():
+            error = exposure.verify(
+                self.pool.array[slot],
+                self.request_id,
+                self.remote_ids,
+                prefill_rank=rank,
+                read_ids=self.read_ids,
+            )
+            if error is not None:
+                return error
+        return None
+
+    def _free_slots(self) -> None:
+        if self.pool is not None:
+            for slot in self._slots.values():
+                self.pool.release(slot)
+        self._slots.clear()
+
+    def abort(self) -> None:
+        """Release every handle; a check slot a read may still land in goes back only once
+        NIXL released that read."""
+        pool = self.pool
+        for handle, rank in list(self._pending.items()):
+            slot = self._slots.pop(rank, None) if self.checking else None
+            then: Any = None
+            if slot is not None and pool is not None:
+
+                def then(slot: int = slot, pool: CheckPool = pool) -> None:
+                    pool.release(slot)
+
+            self.reaper.drop(handle, then)
+        self._pending.clear()
+        self._free_slots()

@@ -1,0 +1,222 @@
+"""Transfer paths: the same-process copy path against NIXL reads, on DRAM.
+
+Every prefill rank of these engines lives in this process, so ``same_process="auto"`` (the
+default) copies with torch; ``"nixl"`` reads through real NIXL agents. Both must give the
+same bytes, the same releases and the same typed errors, for every TP pairing kind, MLA,
+hybrid groups, mixed layouts and block sizes, and partial prefix hits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pytest
+
+import akv
+from akv.geometry.cache import as_cache
+from akv.testing import fetch_requests, fill_request, local_counts, make_requests, verify_request
+from tests.conftest import make_spec, prefill_process, wait_for
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Prefill:
+    spec: Any
+    producers: list[akv.Producer]
+    endpoint: str
+    releases: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+
+@asynccontextmanager
+async def prefill_engine(spec: Any, tp: int, lease: float = 30.0) -> AsyncIterator[Prefill]:
+    """``tp`` prefill ranks of this process behind one control server."""
+    async with AsyncExitStack() as stack:
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        server = akv.ControlServer()
+        endpoint = await tg.start(server.serve)
+        engine = Prefill(spec, [], str(endpoint))
+        for r in range(tp):
+
+            def on_release(rel: akv.Release) -> None:
+                engine.releases[(rel.request_id, rel.reason)] += 1
+
+            engine.producers.append(
+                await stack.enter_async_context(
+                    akv.Producer(
+                        akv.allocate_kv_cache(spec, r, tp),
+                        spec,
+                        tp_rank=r,
+                        tp_size=tp,
+                        server=server,
+                        lease=lease,
+                        on_release=on_release,
+                    )
+                )
+            )
+        yield engine
+        tg.cancel_scope.cancel()
+
+
+async def pull_everything(
+    pspec: Any, dspec: Any, p: int, d: int, same_process: str, requests: int = 3
+) -> tuple[list[akv.TransferResult], Prefill]:
+    """Expose ``requests`` requests on a P-rank engine, pull each on every one of D decode
+    ranks (every other one after a one-block prefix hit), verify every byte read."""
+    cache = as_cache(pspec)
+    reqs = make_requests(pspec, requests, 3, seed=7)
+    results = []
+    async with prefill_engine(pspec, p) as engine, AsyncExitStack() as stack:
+        for req in reqs:
+            for prod in engine.producers:
+                fill_request(prod.kv_caches, pspec, prod.tp_rank, p, req.block_ids, req.seed, req.num_tokens)
+                prod.expose(req.request_id, req.block_ids)
+        for r in range(d):
+            consumer = await stack.enter_async_context(
+                akv.Consumer(
+                    akv.allocate_kv_cache(dspec, r, d), dspec, tp_rank=r, tp_size=d, same_process=same_process
+                )
+            )
+            session = await consumer.connect(engine.endpoint)
+            for n, req in enumerate(reqs):
+                counts = local_counts(dspec, req.num_tokens, hit=n % 2)
+                local: Any = {
+                    g.name: list(range(n * 8, n * 8 + counts[g.name])) for g in as_cache(dspec).groups
+                }
+                if len(cache.groups) == 1:
+                    local = local[cache.groups[0].name]
+                transfer = await session.pull(
+                    akv.PullRequest(
+                        request_id=req.request_id,
+                        local_block_ids=local,
+                        remote_block_ids=req.block_ids,
+                        num_tokens=req.num_tokens,
+                    )
+                )
+                results.append(await transfer)
+                assert verify_request(
+                    consumer.kv_caches, dspec, r, d, local, req.seed, num_tokens=req.num_tokens
+                ), (req.request_id, r)
+        await wait_for(lambda: sum(engine.releases.values()) == p * requests, timeout=10)
+    return results, engine
+
+
+PAIRS = [
+    pytest.param(make_spec(kv_heads=4), make_spec(kv_heads=4), 1, 2, id="dense-1to2"),
+    pytest.param(make_spec(kv_heads=4), make_spec(kv_heads=4), 2, 1, id="dense-2to1"),
+    pytest.param(make_spec(kv_heads=2), make_spec(kv_heads=2), 4, 2, id="gqa-replicas-4to2"),
+    pytest.param(make_spec(kv_heads=12), make_spec(kv_heads=12), 4, 6, id="dense-4to6"),
+    pytest.param(make_spec(mla=True), make_spec(mla=True), 2, 3, id="mla-2to3"),
+    pytest.param(
+        make_spec(kv_heads=4, layout="head-major", block_size=8),
+        make_spec(kv_heads=4, layout="NHD", block_size=4),
+        2,
+        1,
+        id="headmajor8-to-nhd4",
+    ),
+    pytest.param(
+        akv.preset("qwen3-next-80b", layers=4, blocks=32, dtype="float32", layout="head-major"),
+        akv.preset("qwen3-next-80b", layers=4, blocks=32, dtype="float32", block_size=32),
+        2,
+        1,
+        id="qwen3-next-hybrid",
+    ),
+    pytest.param(
+        akv.preset("gemma-3-27b", layers=3, blocks=32, dtype="float16"),
+        akv.preset("gemma-3-27b", layers=3, blocks=32, dtype="float16", layout="cross-layer"),
+        1,
+        2,
+        id="gemma3-sliding",
+    ),
+]
+
+
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+async def test_copy_path_matches_nixl_reads(pspec: Any, dspec: Any, p: int, d: int) -> None:
+    """The copy path moves exactly the bytes NIXL reads move, with the same sizes and releases."""
+    copied, eng_c = await pull_everything(pspec, dspec, p, d, "auto")
+    read, eng_r = await pull_everything(pspec, dspec, p, d, "nixl")
+    assert {r.path for r in copied} == {"copy"} and {r.path for r in read} == {"read"}
+    assert [(r.bytes, r.descriptors, r.reads) for r in copied] == [(r.bytes, r.descriptors, r.reads) for r in read]
+    assert {reason for _, reason in eng_c.releases} == {"read"} == {reason for _, reason in eng_r.releases}
+    assert set(eng_c.releases.values()) == {p} == set(eng_r.releases.values())  # once per rank and request
+
+
+async def test_copy_path_keeps_the_exposure_check() -> None:
+    """Copying never reports success for blocks not exposed for the request, or no longer exposed."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1, lease=0.2) as engine, AsyncExitStack() as stack:
+        consumer = await stack.enter_async_context(
+            akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, same_process="copy")
+        )
+        session = await consumer.connect(engine.endpoint)
+        with pytest.raises(akv.errors.NotExposedError):
+            await (await session.pull("never", [0], [1]))
+        engine.producers[0].expose("r", [1, 2], lease=30)
+        with pytest.raises(akv.errors.OutsideExposureError):
+            await (await session.pull("r", [0, 1, 2], [1, 2, 3]))
+        engine.producers[0].expose("short", [5, 6])
+        await wait_for(lambda: ("short", "expired") in engine.releases)
+        with pytest.raises(akv.LeaseExpiredError):
+            await (await session.pull("short", [0, 1], [5, 6]))
+        result = await (await session.pull("r", [0, 1], [1, 2]))
+        assert result.path == "copy"
+        await wait_for(lambda: ("r", "read") in engine.releases)
+        assert consumer.metrics.counters["unsafe_reads"] == 3
+
+
+async def test_copy_required_from_another_process_is_a_typed_error() -> None:
+    """same_process='copy' refuses a prefill engine of another process at connect; 'auto' reads it."""
+    spec = make_spec(num_blocks=64, head_dim=16)
+    with prefill_process(1, 4) as (_proc, endpoint):
+        async with akv.Consumer(
+            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, same_process="copy", retries=0
+        ) as consumer:
+            with pytest.raises(akv.IncompatiblePeerError, match="same_process") as info:
+                await consumer.connect(endpoint)
+            assert info.value.fields == ("same_process",)
+        async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1) as consumer:
+            session = await consumer.connect(endpoint)
+            req = (await fetch_requests(endpoint, spec, None, consumer.engine_id))[0]
+            result = await (await session.pull(req.request_id, [0, 1, 2, 3], req.block_ids))
+            assert result.path == "read"
+            assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2, 3], req.seed)
+
+
+async def test_a_restarted_rank_of_this_process_is_linked_again() -> None:
+    """After the prefill rank of this process closes, the next pull fails typed or re-links; a
+    rank started again behind the same address serves copies again."""
+    spec = make_spec()
+    async with anyio.create_task_group() as tg:
+        server = akv.ControlServer()
+        endpoint = await tg.start(server.serve)
+        async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1) as consumer:
+            for round_ in range(2):
+                async with akv.Producer(
+                    akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, server=server
+                ) as prod:
+                    fill_request(prod.kv_caches, spec, 0, 1, [3, 4], seed=round_ + 1)
+                    prod.expose(f"r{round_}", [3, 4])
+                    session = await consumer.connect(endpoint)
+                    result = await (await session.pull(f"r{round_}", [8, 9], [3, 4]))
+                    assert result.path == "copy"
+                    assert verify_request(consumer.kv_caches, spec, 0, 1, [8, 9], seed=round_ + 1)
+            assert consumer.metrics.counters["handshakes"] == 2
+        tg.cancel_scope.cancel()
+
+
+def test_same_process_option_is_checked() -> None:
+    """An unknown same_process value is a ConfigError naming the choices."""
+    spec = make_spec()
+    with pytest.raises(akv.ConfigError, match="'auto', 'copy' or 'nixl'"):
+        akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, same_process="fast")
