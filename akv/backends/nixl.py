@@ -15,18 +15,20 @@ WARNING. ``NIXL_LOG_LEVEL=INFO`` (or ``DEBUG``) brings NIXL's logs back, on stde
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from akv.backends import DlistHandle, XferHandle, XferState, mem_type
-from akv.errors import AkvError, BackendError, PeerLostError, TransferError
+from akv.device import cuda_context
+from akv.errors import AkvError, BackendError, ConfigError, PeerLostError, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +84,23 @@ ERROR_TABLE: dict[str, type[AkvError]] = {
 }
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def on_device(method: F) -> F:
+    """Run an agent call with the agent's CUDA device current in the calling thread (VRAM
+    agents; a no-op for DRAM ones), whichever thread makes it."""
+
+    @functools.wraps(method)
+    def wrapper(self: NixlBackend, *args: Any, **kwargs: Any) -> Any:
+        if self.cuda_device is None:
+            return method(self, *args, **kwargs)
+        with cuda_context(self.cuda_device):
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -110,14 +129,33 @@ class NixlBackend:
     ``progress_thread`` enables UCX's own progress thread; on small machines it costs more
     than it gives, so akv progresses the agent from its poller by default. The agent is
     thread-safe (readers-writer sync), so blocking calls may run in worker threads.
+
+    ``cuda_device``: the GPU whose VRAM this agent registers. Every call on the agent then
+    runs with that device current in the calling thread (event loop or worker thread), since
+    UCX may not pick cuda_ipc for a peer otherwise. ``num_threads``: the NIXL agent's worker
+    threads for posting (0: NIXL's default, none; docs/gpu.md).
     """
 
-    def __init__(self, name: str, *, progress_thread: bool = False, telemetry: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        progress_thread: bool = False,
+        telemetry: bool = False,
+        cuda_device: int | None = None,
+        num_threads: int = 0,
+    ) -> None:
+        if num_threads < 0:
+            raise ConfigError(f"nixl_threads must be >= 0, got {num_threads}")
+        self.cuda_device = cuda_device
         api = _api()
-        with map_exceptions(f"cannot create NIXL agent {name!r}"):
+        with map_exceptions(f"cannot create NIXL agent {name!r}"), cuda_context(cuda_device):
             sync = getattr(getattr(api, "nixl_thread_sync_t", None), "NIXL_THREAD_SYNC_RW", None)
             config = api.nixl_agent_config(
-                enable_prog_thread=progress_thread, capture_telemetry=telemetry, sync_mode=sync
+                enable_prog_thread=progress_thread,
+                capture_telemetry=telemetry,
+                sync_mode=sync,
+                num_threads=num_threads,
             )
             self._agent = api.nixl_agent(name, config)
         if "UCX" not in self._agent.backends:
@@ -139,11 +177,13 @@ class NixlBackend:
 
     # -- memory -------------------------------------------------------------------------
 
+    @on_device
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
         """Register the KV regions with NIXL."""
         with map_exceptions("memory registration failed"):
             self._registrations.append(self._agent.register_memory(list(tensors)))
 
+    @on_device
     def register_host(self, array: npt.NDArray[Any]) -> None:
         """Register a contiguous host array as DRAM."""
         if not array.flags.c_contiguous:
@@ -152,10 +192,12 @@ class NixlBackend:
             descs = [(int(array.ctypes.data), int(array.nbytes), 0, "")]
             self._registrations.append(self._agent.register_memory(descs, "DRAM"))
 
+    @on_device
     def metadata(self) -> bytes:
         """This agent's metadata: whoever loads it can read our registered memory."""
         return bytes(self._agent.get_agent_metadata())
 
+    @on_device
     def add_remote(self, metadata: bytes) -> str:
         """Load a remote agent's metadata; returns its agent name."""
         with map_exceptions("cannot load remote agent metadata"):
@@ -164,11 +206,13 @@ class NixlBackend:
         self._remotes.add(name)
         return name
 
+    @on_device
     def connect(self, name: str) -> None:
         """Set up the transport to a loaded remote agent now, not on the first transfer."""
         with map_exceptions(f"cannot connect to {name}", PeerLostError):
             self._agent.make_connection(name)
 
+    @on_device
     def remove_remote(self, name: str) -> None:
         """Forget a remote agent (and disconnect from it). Idempotent."""
         if name in self._remotes:
@@ -178,6 +222,7 @@ class NixlBackend:
 
     # -- descriptor lists ---------------------------------------------------------------
 
+    @on_device
     def prep(self, agent: str, table: npt.NDArray[np.int64], mem_type: str) -> DlistHandle:
         """Prepare a strided ``(S, 5)`` table for ``agent`` ("" for local memory)."""
         with map_exceptions(f"preparing descriptors for {agent or 'local'} failed"):
@@ -194,6 +239,7 @@ class NixlBackend:
         self._dlists.add(handle)
         return handle
 
+    @on_device
     def prep_expanded(self, agent: str, table: npt.NDArray[np.int64], mem_type: str) -> DlistHandle:
         """Prepare a table as one ``(addr, len, dev)`` row per descriptor (no strided form)."""
         from akv.plan import expand_table
@@ -203,6 +249,7 @@ class NixlBackend:
         self._dlists.add(handle)
         return handle
 
+    @on_device
     def release_dlist(self, handle: DlistHandle) -> None:
         """Release a prepared list. Idempotent."""
         if handle in self._dlists:
@@ -212,6 +259,7 @@ class NixlBackend:
 
     # -- transfers ----------------------------------------------------------------------
 
+    @on_device
     def read(
         self,
         local: DlistHandle,
@@ -246,6 +294,7 @@ class NixlBackend:
             raise TransferError("NIXL refused to post the read")
         return handle
 
+    @on_device
     def state(self, handle: XferHandle) -> XferState:
         """Poll one transfer: "DONE" or "PROC"; raises [`TransferError`][akv.errors.TransferError] on failure."""
         with map_exceptions("transfer failed", TransferError):
@@ -266,6 +315,7 @@ class NixlBackend:
         """Transfer handles created and not yet released."""
         return len(self._xfers)
 
+    @on_device
     def release(self, handle: XferHandle) -> bool:
         """Release a transfer (NIXL cancels it if still active). False if it could not."""
         if handle not in self._xfers:
@@ -279,16 +329,19 @@ class NixlBackend:
 
     # -- notifications ------------------------------------------------------------------
 
+    @on_device
     def notifications(self) -> dict[str, list[bytes]]:
         """New notifications by sender agent name. Also progresses the agent."""
         with map_exceptions("reading notifications failed"):
             return dict(self._agent.get_new_notifs())
 
+    @on_device
     def progress(self) -> None:
         """Progress the agent (sends queued notifications); notifications received are dropped."""
         with map_exceptions("progressing the agent failed"):
             self._agent.get_new_notifs()
 
+    @on_device
     def notify(self, agent: str, message: bytes) -> None:
         """Send a standalone notification to a remote agent."""
         with map_exceptions(f"notifying {agent} failed", PeerLostError):
@@ -301,6 +354,7 @@ class NixlBackend:
         """True once [`close`][akv.testing.ProgressBar.close] ran."""
         return self._closed
 
+    @on_device
     def close(self) -> None:
         """Release transfers, lists, remote agents and registrations, in that order. Idempotent."""
         if self._closed:

@@ -12,7 +12,7 @@ import argparse
 import json
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from akv.errors import ConfigError
 from akv.geometry.cache import LAYOUTS, CacheSpec
@@ -22,6 +22,9 @@ from akv.presets import PRESETS, preset
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
     from exceptiongroup import BaseExceptionGroup
 
+if TYPE_CHECKING:
+    from akv.device import Device
+
 __all__ = [
     "DEFAULT_BLOCKS",
     "EXIT_EXPIRED",
@@ -29,18 +32,22 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "add_common",
+    "add_device_flag",
     "add_model_flags",
     "check",
     "check_model",
     "check_port",
     "check_seconds",
+    "device_of",
     "emit",
     "first_leaf",
     "model_argv",
+    "rank_device",
     "report",
     "size_pool",
     "spec_from_args",
     "usage_error",
+    "use_gpu_environment",
     "verbosity_argv",
 ]
 
@@ -307,3 +314,62 @@ def report(a: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
         emit(summary)
     else:
         print(text)
+
+
+# -- devices ------------------------------------------------------------------------------
+
+
+def add_device_flag(p: argparse.ArgumentParser, *sides: str) -> None:
+    """``--device`` (and ``--SIDE-device`` for each of ``sides``, overriding it for that side)."""
+    p.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEV",
+        help="where the KV caches live: cpu (DRAM), cuda (rank r on GPU r %% count, one process per "
+        "GPU) or cuda:N (every rank on GPU N) (default: %(default)s)",
+    )
+    for side in sides:
+        p.add_argument(
+            f"--{side}-device",
+            default=None,
+            metavar="DEV",
+            help=f"the {side} engine's device, if not --device's",
+        )
+
+
+def device_of(a: argparse.Namespace, side: str | None = None) -> Device:
+    """The device flag of ``side`` (its own flag, else ``--device``), parsed and checked
+    usable: a one-line [`ConfigError`][akv.errors.ConfigError] otherwise."""
+    from akv.device import check_usable, parse_device
+
+    own = getattr(a, f"{side}_device", None) if side else None
+    flag = f"--{side}-device" if own is not None else "--device"
+    device = parse_device(own if own is not None else a.device, flag)
+    check_usable(device, flag)
+    return device
+
+
+def rank_device(device: Device, rank: int) -> str:
+    """The torch device of TP rank ``rank`` for a checked device flag."""
+    if not device.cuda:
+        return "cpu"
+    import torch
+
+    return device.for_rank(rank, torch.cuda.device_count())
+
+
+def use_gpu_environment(device: Device) -> None:
+    """For VRAM, set the UCX variables of `akv.device.GPU_UCX_ENV` this process (and the rank
+    processes it starts) lacks, and say so on stderr once."""
+    import os
+
+    from akv.device import gpu_environment
+
+    changes = gpu_environment(os.environ, device.cuda)
+    for key, value in changes.items():
+        os.environ[key] = value
+        print(
+            f"akv: set {key}={value} for VRAM transfers (UCX reads VRAM on a slow path without it); "
+            "set it yourself to choose",
+            file=sys.stderr,
+        )

@@ -19,9 +19,12 @@ from akv.cli.args import (
     check,
     check_model,
     check_seconds,
+    device_of,
     emit,
+    rank_device,
     report,
     spec_from_args,
+    use_gpu_environment,
 )
 from akv.cli.fanout import ChildFailed, RankProcess, child_argv, exit_with_parent, rank_processes
 from akv.errors import AkvError, ConfigError
@@ -42,6 +45,7 @@ def validate(a: argparse.Namespace) -> None:
             f"--connect: {exc} (the endpoint of the prefill engine's ready line is its bootstrap)"
         ) from None
     check_model(a, "--tp-size")
+    a.device_checked = device_of(a)
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
     check_seconds(a.transfer_timeout, "--transfer-timeout")
     check(a.engine_id is None or bool(a.engine_id), "--engine-id must not be empty")
@@ -101,11 +105,12 @@ async def run_decode(
     engine_id = a.engine_id or default_engine_id("decode")
     requests = await fetch_requests(a.connect, spec, a.secret, engine_id)
     cache = as_cache(spec)
-    stats = {"verified": 0, "bytes": 0}
+    stats = {"verified": 0, "bytes": 0, "descriptors": 0}
     failed: list[str] = []
     errors: list[str] = []
     started = time.monotonic()
-    caches = {d: allocate_kv_cache(spec, d, size) for d in mine}
+    caches = {d: allocate_kv_cache(spec, d, size, device=rank_device(a.device_checked, d)) for d in mine}
+    paths: dict[str, int] = {}
     async with AsyncExitStack() as stack:
         consumers = {
             d: await stack.enter_async_context(
@@ -137,13 +142,15 @@ async def run_decode(
         limiter = anyio.CapacityLimiter(max(1, a.concurrency))
         done = 0
 
-        async def pull(d: int, pr: PullRequest, seed: int) -> bool:
+        async def pull(d: int, pr: PullRequest, seed: int, used: set[str]) -> bool:
             try:
                 res = await (await sessions[d].pull(pr))
             except AkvError as exc:
                 errors.append(f"{pr.request_id} rank {d}: {type(exc).__name__}: {exc}")
                 return False
             stats["bytes"] += res.bytes
+            stats["descriptors"] += res.descriptors
+            used.add(res.path)
             if verify_request(caches[d], spec, d, size, pr.local_block_ids, seed, num_tokens=pr.num_tokens):
                 return True
             errors.append(f"{pr.request_id} rank {d}: data mismatch")
@@ -166,7 +173,10 @@ async def run_decode(
                         remote_block_ids=req.block_ids,
                         num_tokens=tokens,
                     )
-                    ok = all([await pull(d, pr, req.seed) for d in mine])
+                    used: set[str] = set()
+                    ok = all([await pull(d, pr, req.seed, used) for d in mine])
+                    for path in used:  # requests per path
+                        paths[path] = paths.get(path, 0) + 1
                 finally:
                     for name, blocks_ in local.items():
                         allocators[name].release(blocks_)
@@ -192,6 +202,8 @@ async def run_decode(
         "seconds": round(seconds, 3),
         "gbps": round(stats["bytes"] / seconds / 1e9, 3) if seconds > 0 else 0.0,
         "tp_size": size,
+        "paths": paths,
+        "descriptors": stats["descriptors"],
         "errors": errors[:10],
         "failed_ids": sorted(failed),
     }
@@ -229,6 +241,10 @@ async def run_decode_engine(
     complete = all(s.get("requests") == requests for s in summaries)
     seconds = max((s.get("seconds", 0.0) for s in summaries), default=0.0)
     moved = sum(s.get("bytes", 0) for s in summaries)
+    paths: dict[str, int] = {}
+    for s in summaries:
+        for path, n in s.get("paths", {}).items():  # requests per path: each rank saw them all
+            paths[path] = max(paths.get(path, 0), n)
     summary: dict[str, Any] = {
         "event": "summary",
         "role": "decode",
@@ -239,6 +255,8 @@ async def run_decode_engine(
         "seconds": seconds,
         "gbps": round(moved / seconds / 1e9, 3) if seconds > 0 else 0.0,
         "tp_size": a.tp_size,
+        "paths": paths,
+        "descriptors": sum(s.get("descriptors", 0) for s in summaries),
         "errors": [e for s in summaries for e in s.get("errors", [])][:10],
         "exit_codes": codes,
     }
@@ -254,6 +272,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
             emit({"event": "progress", "done": done, "total": total})
 
     validate(a)
+    use_gpu_environment(a.device_checked)
     exit_with_parent(a.parent_pid)
     try:
         one_process = a.tp_rank is not None or a.tp_size == 1

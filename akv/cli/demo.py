@@ -19,10 +19,12 @@ from akv.cli.args import (
     check,
     check_model,
     check_seconds,
+    device_of,
     emit,
     model_argv,
     size_pool,
     spec_from_args,
+    use_gpu_environment,
     verbosity_argv,
 )
 from akv.errors import ConfigError, IncompatiblePeerError
@@ -35,6 +37,7 @@ __all__ = ["cmd_demo", "run_demo", "validate"]
 def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv demo``, before starting anything; sizes ``--blocks`` if not given."""
     check_model(a, "--prefill-tp", "--decode-tp")
+    a.devices = {side: device_of(a, side) for side in ("prefill", "decode")}
     for flag, value in (
         ("--prefill-block-size", a.prefill_block_size),
         ("--decode-block-size", a.decode_block_size),
@@ -110,6 +113,8 @@ async def _run_demo(
         "--timeout",
         str(a.timeout),
         "--json",
+        "--device",
+        str(a.devices["prefill"]),
         *prefill_model,
         *prefill_extra,
     ]
@@ -140,6 +145,8 @@ async def _run_demo(
                 "--json",
                 "--concurrency",
                 str(a.concurrency),
+                "--device",
+                str(a.devices["decode"]),
                 *decode_model,
             ]
             async with await anyio.open_process(decode_cmd, env=env, stderr=None) as decode:
@@ -174,6 +181,9 @@ async def _run_demo(
         "released": prefill_summary.get("released", 0),
         "expired": prefill_summary.get("expired", 0),
         "bytes": decode_summary.get("bytes", 0),
+        "paths": decode_summary.get("paths", {}),
+        "descriptors": decode_summary.get("descriptors", 0),
+        "devices": {side: str(d) for side, d in a.devices.items()},
         "seconds": round(seconds, 3),
         "transfer_seconds": decode_summary.get("seconds", 0.0),
         "exit_codes": codes,
@@ -192,6 +202,8 @@ async def _run_demo(
 
 def cmd_demo(a: argparse.Namespace) -> int:
     validate(a)
+    for device in a.devices.values():
+        use_gpu_environment(device)
     summary, code = anyio.run(run_demo, a)
     if a.json:
         emit(summary)

@@ -16,7 +16,15 @@ import sys
 from collections.abc import Sequence
 
 from akv._log import configure_cli_logging
-from akv.cli.args import EXIT_FAILED, EXIT_USAGE, add_common, add_model_flags, first_leaf, usage_error
+from akv.cli.args import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    add_common,
+    add_device_flag,
+    add_model_flags,
+    first_leaf,
+    usage_error,
+)
 from akv.cli.decode import cmd_decode
 from akv.cli.demo import cmd_demo
 from akv.cli.engines import add_engines_parser
@@ -154,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a non-loopback address without a secret (trusted networks only)",
     )
     add_common(p)
+    add_device_flag(p)
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser(
@@ -197,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seed of the local block choice (default: %(default)s)"
     )
     add_common(p)
+    add_device_flag(p)
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser(
@@ -256,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"tokens per block of the {side} engine (default: --block-size)",
         )
     add_common(p)
+    add_device_flag(p, "prefill", "decode")
     p.set_defaults(func=cmd_demo)
 
     add_engines_parser(sub)

@@ -24,10 +24,13 @@ from akv.cli.args import (
     check_model,
     check_port,
     check_seconds,
+    device_of,
     emit,
+    rank_device,
     report,
     size_pool,
     spec_from_args,
+    use_gpu_environment,
 )
 from akv.cli.fanout import ChildFailed, RankProcess, child_argv, exit_with_parent, rank_processes
 from akv.errors import ConfigError
@@ -42,6 +45,7 @@ __all__ = ["cmd_prefill", "run_prefill", "run_prefill_engine", "validate"]
 def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv prefill``, before any I/O ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
     check_model(a, "--tp-size")
+    a.device_checked = device_of(a)
     size_pool(a)
     check_port(a.port)
     check_seconds(a.lease, "--lease")
@@ -109,7 +113,7 @@ async def run_prefill(
         directory=lambda: requests,
         advertise_host=a.advertise_host,
     )
-    kv = allocate_kv_cache(spec, rank, size)
+    kv = allocate_kv_cache(spec, rank, size, device=rank_device(a.device_checked, rank))
     for req in requests if not a.no_fill else ():
         fill_request(kv, spec, rank, size, req.block_ids, req.seed, req.num_tokens or None)
     producer = Producer(
@@ -255,6 +259,7 @@ async def run_prefill_engine(
 
 def cmd_prefill(a: argparse.Namespace) -> int:
     validate(a)
+    use_gpu_environment(a.device_checked)
     exit_with_parent(a.parent_pid)
     if a.tp_rank is None and a.tp_size == 1:
         a.tp_rank = 0  # an engine of one rank: this process is that rank

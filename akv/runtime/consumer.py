@@ -78,6 +78,8 @@ class Consumer(RankBase):
         max_checks: exposure checks in flight at once.
         backend: a transport backend to use instead of creating a NIXL agent.
         progress_thread: let UCX run its own progress thread.
+        nixl_threads: worker threads of the NIXL agent, for posting large transfers in
+            parallel (0: none, NIXL's default; see docs/gpu.md).
         spin_s: how long the poller spins after progress before sleeping.
         poll_max_s: longest sleep of the poller while pulls are in flight.
     """
@@ -104,6 +106,7 @@ class Consumer(RankBase):
         progress_thread: bool = False,
         spin_s: float = 0.002,
         poll_max_s: float = 0.002,
+        nixl_threads: int = 0,
     ) -> None:
         super().__init__(
             kv_caches,
@@ -115,6 +118,7 @@ class Consumer(RankBase):
             progress_thread=progress_thread,
             spin_s=spin_s,
             poll_max_s=poll_max_s,
+            nixl_threads=nixl_threads,
         )
         if not transfer_timeout > 0:
             raise ConfigError(f"transfer_timeout must be > 0, got {transfer_timeout}")

@@ -84,6 +84,8 @@ class Producer(RankBase):
         max_exposed: requests exposed at once that the exposure table is sized for.
         backend: a transport backend to use instead of creating a NIXL agent.
         progress_thread: let UCX run its own progress thread.
+        nixl_threads: worker threads of the NIXL agent, for posting large transfers in
+            parallel (0: none, NIXL's default; see docs/gpu.md).
         poll_max_s: longest sleep of the notification poller while requests are pending.
         spin_s: how long the poller spins after progress before sleeping.
     """
@@ -114,6 +116,7 @@ class Producer(RankBase):
         progress_thread: bool = False,
         poll_max_s: float = 0.002,
         spin_s: float = 0.002,
+        nixl_threads: int = 0,
     ) -> None:
         if etcd is not None and engine_id is None:
             raise ConfigError("registering in etcd needs an explicit engine_id, the same on every rank")
@@ -128,6 +131,7 @@ class Producer(RankBase):
             progress_thread=progress_thread,
             spin_s=spin_s,
             poll_max_s=poll_max_s,
+            nixl_threads=nixl_threads,
         )
         self.lease_s = check_lease(lease)
         if max_exposed < 1:

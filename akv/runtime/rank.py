@@ -16,7 +16,7 @@ from anyio.abc import TaskGroup
 
 from akv._log import get_logger
 from akv._poll import Backoff
-from akv.errors import AkvError, ClosedError
+from akv.errors import AkvError, ClosedError, ConfigError
 from akv.geometry.cache import CacheSpec, as_cache
 from akv.geometry.spec import KVSpec
 from akv.metrics import Metrics
@@ -62,6 +62,7 @@ class RankBase:
         progress_thread: bool,
         spin_s: float,
         poll_max_s: float,
+        nixl_threads: int = 0,
     ) -> None:
         from akv.geometry.tensors import check_kv_cache
 
@@ -80,6 +81,9 @@ class RankBase:
         self._log = get_logger(type(self).__module__).bind(engine=engine_id, rank=tp_rank)
         self._backend = backend
         self._progress_thread = progress_thread
+        if nixl_threads < 0:
+            raise ConfigError(f"nixl_threads must be >= 0, got {nixl_threads}")
+        self._nixl_threads = nixl_threads
         self._backoff = Backoff(spin_s=spin_s, max_sleep_s=poll_max_s)
         self._tg: TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
@@ -111,11 +115,18 @@ class RankBase:
     async def _open(self) -> None:
         async with AsyncExitStack() as stack:  # unwinds whatever started if a step fails
             if self._backend is None:
+                from akv.backends import mem_type
                 from akv.backends.nixl import NixlBackend
 
                 name = f"{self.engine_id}-{self._role}{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+                kind, index = mem_type(self.kv_caches)
                 self._backend = await anyio.to_thread.run_sync(
-                    lambda: NixlBackend(name, progress_thread=self._progress_thread)
+                    lambda: NixlBackend(
+                        name,
+                        progress_thread=self._progress_thread,
+                        cuda_device=index if kind == "VRAM" else None,
+                        num_threads=self._nixl_threads,
+                    )
                 )
             backend = self._backend
             stack.callback(backend.close)
