@@ -170,7 +170,9 @@ def _specs(w: Workload, layers: int) -> tuple[Any, Any]:
     return prefill, decode
 
 
-def _start_prefill(w: Workload, spec: Any, requests_file: str) -> tuple[subprocess.Popen[str], str]:
+def _start_prefill(
+    w: Workload, spec: Any, requests_file: str, device: str
+) -> tuple[subprocess.Popen[str], str]:
     from akv.geometry.spec import KVSpec
     from akv.testing import spawn_prefill, spec_argv
 
@@ -197,6 +199,8 @@ def _start_prefill(w: Workload, spec: Any, requests_file: str) -> tuple[subproce
         "3600",
         "--timeout",
         "900",
+        "--device",
+        device,
         *model,
     )
 
@@ -245,7 +249,9 @@ def _ids_json(ids: Any) -> Any:
     return ids.tolist()
 
 
-async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], None]) -> Figures:
+async def _bench_workload(
+    w: Workload, layers: int, progress: Callable[[str], None], device: str = "cpu"
+) -> Figures:
     """Start the workload's prefill engine and measure every method against it."""
     prefill_spec, spec = _specs(w, layers)
     rng = np.random.default_rng(7)
@@ -260,9 +266,9 @@ async def _bench_workload(w: Workload, layers: int, progress: Callable[[str], No
         ]
         save_requests(f"{tmp}/requests.json", exposed)
         # The file stays until the prefill is gone: it reads it again for its summary.
-        proc, endpoint = _start_prefill(w, prefill_spec, f"{tmp}/requests.json")
+        proc, endpoint = _start_prefill(w, prefill_spec, f"{tmp}/requests.json", device)
         try:
-            return await _measure(w, prefill_spec, spec, reqs, endpoint, progress)
+            return await _measure(w, prefill_spec, spec, reqs, endpoint, progress, device)
         finally:
             proc.terminate()
             proc.wait(10)
@@ -277,10 +283,12 @@ async def _measure(
     reqs: list[tuple[str, Any, Any]],
     endpoint: str,
     progress: Callable[[str], None],
+    device: str = "cpu",
 ) -> Figures:
     """Every method on the workload's requests, read from the prefill at ``endpoint``."""
     import akv
     from akv.backends.nixl import NixlBackend
+    from akv.device import parse_device
 
     fig = Figures(w.name, w)
     async with AsyncExitStack() as stack:
@@ -289,26 +297,32 @@ async def _measure(
         for d in range(w.decode_tp):
             for verify_exposure, group in ((True, consumers), (False, unchecked)):
                 tag = "" if verify_exposure else "u"
+                dev = parse_device(device).for_rank(d, _cuda_count())
                 c = akv.Consumer(
-                    akv.allocate_kv_cache(spec, d, w.decode_tp),
+                    akv.allocate_kv_cache(spec, d, w.decode_tp, device=dev),
                     spec,
                     tp_rank=d,
                     tp_size=w.decode_tp,
                     verify_exposure=verify_exposure,
-                    backend=NixlBackend(f"bench-d{d}{tag}-{os.getpid()}-{w.name}", telemetry=True),
+                    backend=NixlBackend(
+                        f"bench-d{d}{tag}-{os.getpid()}-{w.name}",
+                        telemetry=True,
+                        cuda_device=int(dev.split(":")[1]) if dev.startswith("cuda") else None,
+                    ),
                 )
                 group.append(await stack.enter_async_context(c))
         sessions = [await c.connect(endpoint) for c in consumers]
         unchecked_sessions = [await c.connect(endpoint) for c in unchecked]
         batches = [reqs[i : i + w.concurrency] for i in range(0, len(reqs), w.concurrency)]
 
-        methods = _Methods(sessions, consumers, spec, prefill_spec, reqs[0], fig)
+        methods = _Methods(sessions, consumers, spec, prefill_spec, reqs[0], fig, device)
         methods.unchecked = unchecked_sessions
         order = ["akv", "nixl", "perblock", "memcpy"]
-        totals: dict[str, list[float]] = {m: [0.0, 0.0] for m in [*order, "akv_unchecked"]}
+        extra = ["akv_unchecked", *(["nixl_write"] if device != "cpu" else [])]
+        totals: dict[str, list[float]] = {m: [0.0, 0.0] for m in [*order, *extra]}
         progress(f"{w.name}: warming up")
         warm = [(f"{rid}-warm", local, remote) for rid, local, remote in batches[0]]
-        for m in [*order, "akv_unchecked"]:
+        for m in [*order, *extra]:
             await methods.run(m, warm, record=False)
         progress(f"{w.name}: {len(batches)} batches x {len(order) + 1} methods, interleaved")
         for i, batch in enumerate(batches):
@@ -317,7 +331,7 @@ async def _measure(
             # akv without the exposure check runs next to akv, in alternating order.
             for m in (order[k] for k in _WILLIAMS[i % 4]):
                 pair = ["akv", "akv_unchecked"] if i % 2 else ["akv_unchecked", "akv"]
-                for method in pair if m == "akv" else [m]:
+                for method in pair if m == "akv" else [m, "nixl_write"] if m == "nixl" and extra[1:] else [m]:
                     nbytes, seconds = await methods.run(method, batch, record=True)
                     totals[method][0] += nbytes
                     totals[method][1] += seconds
@@ -342,11 +356,16 @@ class _Methods:
         prefill_spec: Any,
         sample: tuple[str, Any, Any],
         fig: Figures,
+        device: str = "cpu",
     ) -> None:
         import torch
 
+        from akv.device import parse_device
+
+        dev = parse_device(device).for_rank(0, _cuda_count())
         self.sessions, self.consumers, self.fig = sessions, consumers, fig
         self.unchecked: list[Any] = []
+        self.drive: list[Any] = []  # raw agents of this process to progress while spinning
         # perblock: every table of the plan as one (addr, len, dev) row per descriptor; a
         # descriptor keeps its index (row base + block), so akv's indices address them too.
         self.expanded: dict[Any, Any] = {}
@@ -362,12 +381,12 @@ class _Methods:
         moved = sum(s.plan.prepare(rid, local, remote).bytes for s in sessions)
         if isinstance(local, dict):  # hybrid caches: one contiguous copy of a request's bytes
             self.width = 0
-            self.src = torch.zeros(moved, dtype=torch.uint8)
-            self.dst = torch.zeros(moved, dtype=torch.uint8)
+            self.src = torch.zeros(moved, dtype=torch.uint8, device=dev)
+            self.dst = torch.zeros(moved, dtype=torch.uint8, device=dev)
             return
         self.width = moved // len(local)
-        self.src = torch.zeros((prefill_spec.num_blocks, self.width), dtype=torch.uint8)
-        self.dst = torch.zeros((spec.num_blocks, self.width), dtype=torch.uint8)
+        self.src = torch.zeros((prefill_spec.num_blocks, self.width), dtype=torch.uint8, device=dev)
+        self.dst = torch.zeros((spec.num_blocks, self.width), dtype=torch.uint8, device=dev)
 
     async def run(self, method: str, batch: list[tuple[str, Any, Any]], record: bool) -> tuple[int, float]:
         if method == "akv":
@@ -376,6 +395,8 @@ class _Methods:
             return await self._akv(batch, record, self.unchecked, self.fig.latency_unchecked_ms)
         if method == "memcpy":
             return self._memcpy(batch)
+        if method == "nixl_write":
+            return self._raw(batch, merge=True, record=False, op="WRITE")
         return self._raw(batch, merge=method == "nixl", record=record)
 
     async def _akv(
@@ -401,8 +422,11 @@ class _Methods:
             latency.extend([seconds * 1e3] * len(batch))
         return total, seconds
 
-    def _raw(self, batch: list[tuple[str, Any, Any]], *, merge: bool, record: bool) -> tuple[int, float]:
-        """The same reads and notifications, written directly against nixl_agent."""
+    def _raw(
+        self, batch: list[tuple[str, Any, Any]], *, merge: bool, record: bool, op: str = "READ"
+    ) -> tuple[int, float]:
+        """The same reads and notifications, written directly against nixl_agent (``op``
+        "WRITE": the same descriptors written the other way, as push transfers would)."""
         # On the clock, as in any connector: validating the ids and computing the indices
         # (exactly those akv posts), then posting, spinning and notifying.
         t0 = time.perf_counter()
@@ -435,7 +459,7 @@ class _Methods:
         for agent, posts, notify, msg, nbytes in work:
             for dl, lidx, dr, ridx in posts:
                 tl = time.perf_counter()
-                h = agent.make_prepped_xfer("READ", dl, lidx, dr, ridx, msg, skip_desc_merge=not merge)
+                h = agent.make_prepped_xfer(op, dl, lidx, dr, ridx, msg, skip_desc_merge=not merge)
                 agent.transfer(h)
                 if merge and record:
                     self.fig.launch_nixl_us.append((time.perf_counter() - tl) * 1e6)
@@ -444,7 +468,8 @@ class _Methods:
             notices.extend((agent, name, msg) for name in notify)
         for agent, h in handles:
             while agent.check_xfer_state(h) == "PROC":
-                pass
+                for other in self.drive:  # agents of this process: progress both sides
+                    other.get_new_notifs()
             if record:
                 ndesc += int(agent.get_xfer_telemetry(h).descCount)
             agent.release_xfer_handle(h)
@@ -467,14 +492,40 @@ class _Methods:
             for _ in batch:
                 self.dst.copy_(self.src)
                 total += self.dst.numel()
+            _sync(self.dst)
             return total, time.perf_counter() - t0
         for _, local, remote in batch:
             # one prefill block per decode block (the first it covers where block sizes differ)
             firsts = remote[np.arange(len(local)) * len(remote) // len(local)]
-            for lb, rb in zip(local.tolist(), firsts.tolist(), strict=True):
-                self.dst[lb, :width].copy_(self.src[rb, :width])
+            if self.dst.is_cuda:  # one gather per request on a GPU (a loop would time launches)
+                idx = torch_index(local, self.dst.device), torch_index(firsts, self.src.device)
+                self.dst.index_copy_(0, idx[0], self.src.index_select(0, idx[1]))
+            else:
+                for lb, rb in zip(local.tolist(), firsts.tolist(), strict=True):
+                    self.dst[lb, :width].copy_(self.src[rb, :width])
             total += width * len(local)
+        _sync(self.dst)
         return total, time.perf_counter() - t0
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def _sync(t: Any) -> None:
+    """Wait for a CUDA tensor's queued work (timings of device copies)."""
+    if t.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(t.device)
+
+
+def torch_index(ids: Any, device: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
 
 
 async def _poller_figures(idle_seconds: float) -> dict[str, float]:
@@ -625,6 +676,96 @@ def _row(f: Figures) -> dict[str, Any]:
         "unchecked_gbps": round(f.gbps["akv_unchecked"], 3),
         "unchecked_p50_ms": round(float(np.percentile(f.latency_unchecked_ms, 50)), 3),
         "check_cost": round(f.gbps["akv_unchecked"] / f.gbps["akv"], 3),
+        **(
+            {"nixl_write_gbps": round(f.gbps["nixl_write"], 3), "torch_gbps": round(f.gbps["memcpy"], 3)}
+            if "nixl_write" in f.gbps
+            else {}
+        ),
+    }
+
+
+#: The same-process workload: head-sliced HND reads 2 -> 1 from fragmented blocks.
+SAME_PROCESS = Workload("same_process", 2, 1, contiguous=False, requests=12, pool=256)
+
+
+async def _same_process(layers: int, device: str, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Prefill ranks and a decode rank in this process: akv's copy path against raw NIXL between
+    two agents of this process on the same descriptors (and akv's NIXL read path beside it)."""
+    import akv
+    from akv.backends.nixl import NixlBackend
+    from akv.device import parse_device
+    from akv.runtime.control import ControlServer
+
+    w = SAME_PROCESS
+    prefill_spec, spec = _specs(w, layers)
+    reqs = _requests(w, prefill_spec, spec, np.random.default_rng(11))
+    dev = parse_device(device)
+    fig = Figures(w.name, w)
+    progress("same_process: copy path and in-process NIXL")
+    async with AsyncExitStack() as stack:
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        server = ControlServer()
+        endpoint = await tg.start(server.serve)
+        producers = []
+        for r in range(w.prefill_tp):
+            prod = await stack.enter_async_context(
+                akv.Producer(
+                    akv.allocate_kv_cache(
+                        prefill_spec, r, w.prefill_tp, device=dev.for_rank(r, _cuda_count())
+                    ),
+                    prefill_spec,
+                    tp_rank=r,
+                    tp_size=w.prefill_tp,
+                    server=server,
+                    lease=3600,
+                )
+            )
+            producers.append(prod)
+            for rid, _, remote in reqs:
+                for suffix in ("", "-warm", "-u", "-warm-u"):
+                    prod.expose(f"{rid}{suffix}", remote)
+        sides = {}
+        for mode in ("auto", "nixl"):
+            c = await stack.enter_async_context(
+                akv.Consumer(
+                    akv.allocate_kv_cache(spec, 0, 1, device=dev.for_rank(0, _cuda_count())),
+                    spec,
+                    tp_rank=0,
+                    tp_size=1,
+                    same_process=mode,
+                    backend=NixlBackend(f"bench-same-{mode}-{os.getpid()}", telemetry=True),
+                )
+            )
+            sides[mode] = (c, await c.connect(str(endpoint)))
+        copy_c, copy_s = sides["auto"]
+        nixl_c, nixl_s = sides["nixl"]
+        methods = _Methods([nixl_s], [nixl_c], spec, prefill_spec, reqs[0], fig, device)
+        methods.unchecked = [nixl_s]  # akv's NIXL read path, in the "akv_unchecked" slot
+        methods.drive = [p.backend.raw for p in producers]
+        copier = _Methods([copy_s], [copy_c], spec, prefill_spec, reqs[0], fig, device)
+        totals: dict[str, list[float]] = {m: [0.0, 0.0] for m in ("copy", "nixl", "read")}
+        runs = {"copy": (copier, "akv"), "nixl": (methods, "nixl"), "read": (methods, "akv_unchecked")}
+        for who, method in runs.values():  # warm up
+            await who.run(method, [(f"{reqs[0][0]}-warm", reqs[0][1], reqs[0][2])], record=False)
+        for i, batch in enumerate([r] for r in reqs):
+            for name in list(runs) if i % 2 else reversed(list(runs)):
+                who, method = runs[name]
+                moved, seconds = await who.run(method, batch, record=True)
+                totals[name][0] += moved
+                totals[name][1] += seconds
+        tg.cancel_scope.cancel()
+    gbps = {m: moved / spent / 1e9 for m, (moved, spent) in totals.items()}
+    return {
+        "name": w.name,
+        "layout": w.layout,
+        "tp": f"{w.prefill_tp}->{w.decode_tp}",
+        "contiguous": w.contiguous,
+        "bytes": int(totals["copy"][0]) // len(reqs),
+        "akv_gbps": round(gbps["copy"], 3),
+        "nixl_gbps": round(gbps["nixl"], 3),
+        "akv_read_gbps": round(gbps["read"], 3),
+        "akv_vs_nixl": round(gbps["copy"] / gbps["nixl"], 3),
+        "path": "copy",
     }
 
 
@@ -688,17 +829,19 @@ def preset_workloads(name: str) -> tuple[tuple[Workload, ...], tuple[tuple[str, 
 
 
 async def run_bench(
-    quick: bool, progress: Callable[[str], None], preset: str | None = None
+    quick: bool, progress: Callable[[str], None], preset: str | None = None, device: str = "cpu"
 ) -> dict[str, Any]:
-    """Run every workload (or, with ``preset``, that model's) and the poller and table figures;
-    returns the JSON summary."""
+    """Run every workload (or, with ``preset``, that model's), the same-process workload and
+    the poller and table figures; returns the JSON summary. ``device``: cpu, cuda or cuda:N
+    (the caches of both sides of each pairing there)."""
     layers = 8 if quick else 16
     workloads, pairs = (WORKLOADS, _HEADMAJOR_PAIRS) if preset is None else preset_workloads(preset)
     figures = []
     for w in workloads:
         if not quick:
             w = replace(w, requests=w.requests * 4)
-        figures.append(await _bench_workload(w, layers, progress))
+        figures.append(await _bench_workload(w, layers, progress, device))
+    same = await _same_process(layers, device, progress)
     progress("poller")
     poller = await _poller_figures(2.0 if quick else 5.0)
     progress("table preparation")
@@ -707,7 +850,7 @@ async def run_bench(
     launch_akv = [x for f in figures if f.name == small for x in f.launch_akv_us]
     launch_nixl = [x for f in figures if f.name == small for x in f.launch_nixl_us]
     return {
-        "workloads": [_row(f) for f in figures],
+        "workloads": [*(_row(f) for f in figures), same],
         "comparisons": _comparisons(figures, pairs),
         "launch": {
             "akv_us_p50": round(float(np.percentile(launch_akv, 50)), 1),
@@ -717,6 +860,7 @@ async def run_bench(
         "poller": {k: round(v, 3) for k, v in poller.items()},
         "table_prep": {k: round(v, 3) for k, v in table.items()},
         "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+        "device": device,
         "mode": "quick" if quick else "full",
     }
 
@@ -741,7 +885,7 @@ def _print_table(summary: dict[str, Any]) -> None:
         "p99_ms",
         "unchecked_p50_ms",
     )
-    rows = [[str(w[c]) for c in cols] for w in summary["workloads"]]
+    rows = [[str(w[c]) for c in cols] for w in summary["workloads"] if "perblock_gbps" in w]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(widths[i]) for i, c in enumerate(cols)))
     for r in rows:
@@ -774,6 +918,17 @@ def _print_table(summary: dict[str, Any]) -> None:
         f"launch overhead p50: akv {launch['akv_us_p50']} us, raw make_prepped_xfer+transfer "
         f"{launch['nixl_us_p50']} us"
     )
+    for w in summary["workloads"]:
+        if w["name"] == "same_process":
+            print(
+                f"same process ({w['tp']} {w['layout']}, {w['bytes']} bytes/request): akv copy path "
+                f"{w['akv_gbps']} GB/s, raw NIXL between two agents of the process {w['nixl_gbps']} GB/s "
+                f"({w['akv_vs_nixl']}x), akv through NIXL {w['akv_read_gbps']} GB/s"
+            )
+        elif "nixl_write_gbps" in w:
+            print(
+                f"{w['name']}: raw NIXL WRITE {w['nixl_write_gbps']} GB/s, torch copy {w['torch_gbps']} GB/s"
+            )
     print(f"poller: {summary['poller']}")
     print(f"table preparation: {summary['table_prep']}")
 
@@ -797,12 +952,13 @@ def _plot(summary: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [w["name"] for w in summary["workloads"]]
+    rows = [w for w in summary["workloads"] if "perblock_gbps" in w]
+    names = [w["name"] for w in rows]
     methods = ("akv", "nixl", "perblock", "memcpy")
     x = np.arange(len(names))
     fig, ax = plt.subplots(figsize=(max(11.0, 0.8 * len(names)), 5))
     for i, m in enumerate(methods):
-        ax.bar(x + (i - 1.5) * 0.2, [w[f"{m}_gbps"] for w in summary["workloads"]], 0.2, label=m)
+        ax.bar(x + (i - 1.5) * 0.2, [w[f"{m}_gbps"] for w in rows], 0.2, label=m)
     ax.set_xticks(x, names, rotation=35, ha="right")
     ax.set_ylabel("GB/s")
     ax.set_title(f"akv bench ({summary['mode']}, {summary['machine']['cpus']} CPUs, DRAM over UCX loopback)")
@@ -838,17 +994,27 @@ def add_bench_parser(sub: Any) -> None:
         help="also draw bandwidth per workload and method (needs matplotlib: pip install 'akv[bench]')",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logs on stderr (-vv: debug)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEV",
+        help="where both sides' caches live: cpu, cuda (decode rank r and prefill rank r on GPU r %% count) "
+        "or cuda:N; on CUDA each workload adds raw NIXL WRITE and a torch device copy (default: %(default)s)",
+    )
 
     def run(a: argparse.Namespace) -> int:
+        from akv.cli.args import device_of, use_gpu_environment
         from akv.testing import ProgressBar
 
+        device = device_of(a)  # a one-line error (exit 64) without a usable GPU
+        use_gpu_environment(device)
         if a.plot:
             check_plot(a.plot)  # before the run, not after minutes of it
         tty = sys.stderr.isatty()
         started = time.monotonic()
         # an unknown preset is a ConfigError naming the known ones, before anything starts
         count = len(WORKLOADS) if not a.preset else len(preset_workloads(a.preset)[0])
-        steps = 2 * count + 2  # warm-up and measurement per workload; poller; tables
+        steps = 2 * count + 3  # warm-up and measurement per workload; same process; poller; tables
         bar = ProgressBar(tty, label="bench", width=24)
         done = [0]
 
@@ -859,7 +1025,7 @@ def add_bench_parser(sub: Any) -> None:
             if not tty:
                 print(f"[{done[0]}/{steps}] {note}", file=sys.stderr, flush=True)
 
-        summary = anyio.run(run_bench, a.quick, progress, a.preset)
+        summary = anyio.run(run_bench, a.quick, progress, a.preset, str(device))
         bar.close()
         summary["seconds"] = round(time.monotonic() - started, 1)
         if a.json:

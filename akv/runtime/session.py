@@ -466,6 +466,8 @@ class TransferSession:
                 link.loading = None
             installed.set()
         here = {r: link.local for r, link in self.links.items() if link.local is not None and not link.broken}
+        if self.copier is not None:
+            self.copier.close()
         self.copier = CopyPlan(plan.tables, c.kv_caches, here) if here else None
         self.remote_engine_id = ch.engine_id
         self.remote_spec = ch.spec
@@ -537,6 +539,8 @@ class TransferSession:
         self.links.clear()
         self.dlists.clear()
         self.plan = None
+        if self.copier is not None:
+            self.copier.close()
         self.copier = None
         self._registry = None
 

@@ -3,20 +3,25 @@ the bytes on the tensors' device (never NIXL loopback, which CUDA IPC refuses wi
 process).
 
 The plan's tables are the same as the read path's: each row is one run of ``len`` bytes at
-``addr + block * stride``. A request's descriptor indices name (row, block) pairs on both
-sides; consecutive indices sharing a row pair become one gather/scatter over a strided view
-of the region (``[blocks, len]``, in the widest integer type that the run's offsets allow),
-or a few slice copies when the blocks are consecutive on both sides. On CUDA the copies run
-on a side stream (ordered after the work already queued on the device's current stream) and
-the pull completes when an event recorded after them has fired; the exposure check then
-reads the prefill rank's table directly, with the same rule as a read: success only if the
-blocks were still exposed for the request once the bytes were in place.
+``addr + block * stride``, and a request's descriptor indices name (row, block) pairs on both
+sides. In DRAM the runs (neighbours contiguous on both sides merged) are memory moves made
+by one worker thread per session, off the event loop. On CUDA, consecutive indices sharing a
+row pair become one gather/scatter over a strided view of the region (``[blocks, len]``, in
+the widest integer type that the run's offsets allow), or a few slice copies when the blocks
+are consecutive on both sides; the copies run on a side stream (ordered after the work
+already queued on the device's current stream) and the pull completes when an event
+recorded after them has fired. The exposure check then reads the prefill rank's table
+directly, with the same rule as a read: success only if the blocks were still exposed for
+the request once the bytes were in place.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import itertools
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,16 +40,22 @@ if TYPE_CHECKING:
 
 __all__ = ["CopyPlan", "LocalCopy"]
 
+#: DRAM requests up to this many bytes are copied on the event loop's thread at launch (a
+#: worker thread would pay for handing the GIL back and forth with the poller); larger ones
+#: in the session's copy worker, so the event loop never stalls long.
+INLINE_BYTES = 128 << 20
+
 #: Consecutive-block runs up to which a row pair is copied by slices rather than by index.
 MAX_SLICES = 8
 
 
 @dataclass(frozen=True, slots=True)
 class _Rows:
-    """One strided table, per row: region, offset in it, run bytes, block stride, block count,
-    and the descriptor index of its block 0."""
+    """One strided table, per row: address of block 0, region, offset in it, run bytes, block
+    stride, block count, and the descriptor index of its block 0."""
 
     tensors: tuple[Any, ...]  # the side's regions
+    addr: npt.NDArray[np.int64]
     region: npt.NDArray[np.int64]
     offset: npt.NDArray[np.int64]
     length: npt.NDArray[np.int64]
@@ -67,7 +78,16 @@ def _rows(table: npt.NDArray[np.int64], tensors: Sequence[torch.Tensor]) -> _Row
         raise TransferError("a copy run lies outside the registered regions (the plan and tensors disagree)")
     start = np.zeros(len(table), dtype=np.int64)
     np.cumsum(count[:-1], out=start[1:])
-    return _Rows(tuple(tensors), region, offset, table[:, 1].copy(), table[:, 3].copy(), count.copy(), start)
+    return _Rows(
+        tuple(tensors),
+        addr.copy(),
+        region,
+        offset,
+        table[:, 1].copy(),
+        table[:, 3].copy(),
+        count.copy(),
+        start,
+    )
 
 
 class CopyPlan:
@@ -89,6 +109,10 @@ class CopyPlan:
                 self.rows[key] = _rows(table, self.remote[int(key[1])].tensors)  # type: ignore[call-overload]
         self._views: dict[tuple[int, int], Any] = {}
         self._streams: dict[Any, Any] = {}
+        self._cpu = all(t.device.type == "cpu" for t in local) and all(
+            t.device.type == "cpu" for r in self.remote.values() for t in r.tensors
+        )
+        self._worker: ThreadPoolExecutor | None = None
 
     def covers(self, ranks: Sequence[int] | set[int]) -> bool:
         """True if every one of ``ranks`` lives in this process."""
@@ -101,6 +125,24 @@ class CopyPlan:
         import torch
 
         ranks = sorted({op.remote_rank for op, _, _ in prepared.posts})
+        checks = [(r, self.remote[r]) for r in ranks] if check else None
+        if self._cpu:
+            try:
+                runs = [
+                    self._cpu_runs(self.rows[op.local_table], self.rows[op.remote_table], li, ri)
+                    for op, li, ri in prepared.posts
+                ]
+            except ValueError as exc:
+                return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
+            if prepared.bytes <= INLINE_BYTES:  # no thread hop, no GIL ping-pong with the poller
+                _memmove_runs(runs, None)
+                return LocalCopy(
+                    [], checks, request_id, prepared.remote_ids, prepared.read_ids, tuple(notify)
+                )
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="akv-copy")
+            job = self._worker.submit(_memmove_runs, runs, (self.rows, self.remote))
+            return LocalCopy([job], checks, request_id, prepared.remote_ids, prepared.read_ids, tuple(notify))
         streams: set[Any] = set()
         try:
             for op, li, ri in prepared.posts:
@@ -113,10 +155,46 @@ class CopyPlan:
                 events.append(event)
         except (RuntimeError, ValueError, IndexError) as exc:
             return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
-        checks = [(r, self.remote[r]) for r in ranks] if check else None
         return LocalCopy(events, checks, request_id, prepared.remote_ids, prepared.read_ids, tuple(notify))
 
+    def close(self) -> None:
+        """Stop the copy worker once its queued copies are done."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
     # -- copying ------------------------------------------------------------------------
+
+    @staticmethod
+    def _cpu_runs(
+        lt: _Rows, rt: _Rows, li: npt.NDArray[np.int32], ri: npt.NDArray[np.int32]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(destination, source, length) of every run of one prefill rank's read, neighbours
+        contiguous on both sides merged: DRAM copies are plain memory moves."""
+        lrow = np.searchsorted(lt.start, li, side="right") - 1
+        rrow = np.searchsorted(rt.start, ri, side="right") - 1
+        lblk = li - lt.start[lrow]
+        rblk = ri - rt.start[rrow]
+        if (
+            (lblk < 0).any()
+            or (lblk >= lt.count[lrow]).any()
+            or (rblk < 0).any()
+            or (rblk >= rt.count[rrow]).any()
+        ):
+            raise ValueError("a descriptor index lies outside its table")
+        length = lt.length[lrow]
+        if not np.array_equal(length, rt.length[rrow]):
+            raise ValueError("run lengths differ between the two sides")
+        dst = lt.addr[lrow] + lblk * lt.stride[lrow]
+        src = rt.addr[rrow] + rblk * rt.stride[rrow]
+        if len(dst) > 1:
+            joined = np.zeros(len(dst), dtype=bool)
+            joined[1:] = (dst[1:] == dst[:-1] + length[:-1]) & (src[1:] == src[:-1] + length[:-1])
+            if joined.any():
+                starts = np.flatnonzero(~joined)
+                length = np.add.reduceat(length, starts)
+                dst, src = dst[starts], src[starts]
+        return dst, src, length
 
     def _copy_op(
         self, lt: _Rows, rt: _Rows, li: npt.NDArray[np.int32], ri: npt.NDArray[np.int32]
@@ -219,9 +297,20 @@ def _gather_scatter(
     dst.index_copy_(0, lidx, src.index_select(0, ridx).to(dst.device, non_blocking=True))
 
 
+def _memmove_runs(
+    runs: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]], keep: object
+) -> None:
+    """Move DRAM runs (in the copy worker; ``keep`` holds the tensors alive meanwhile)."""
+    move = ctypes.memmove
+    for dst, src, length in runs:
+        for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist(), strict=True):
+            move(d, s, n)
+    del keep
+
+
 class LocalCopy:
-    """One pull on the copy path: its CUDA events (none on CPU: the copies are done at
-    launch), then the exposure check against the prefill ranks' tables."""
+    """One pull on the copy path: what is still running (CUDA events, or the DRAM copy
+    worker's job), then the exposure check against the prefill ranks' tables."""
 
     path: PathName = "copy"
 
@@ -249,8 +338,13 @@ class LocalCopy:
     def poll(self) -> Outcome:
         """None once the copies are done and the blocks were still exposed."""
         if self.events:
-            if not all(e.query() for e in self.events):
+            if not all(e.query() if hasattr(e, "query") else e.done() for e in self.events):
                 return Pending()
+            for e in self.events:
+                if not hasattr(e, "query") and e.exception() is not None:
+                    return Failed(
+                        TransferError(f"copying request {self.request_id!r} failed: {e.exception()}")
+                    )
             self.events = []
         if self.checks:
             h = exposure.request_hash(self.request_id)
@@ -266,5 +360,8 @@ class LocalCopy:
     def abort(self) -> None:
         """Wait for the queued copies: none writes after this returns."""
         for event in self.events:
-            event.synchronize()
+            if hasattr(event, "synchronize"):
+                event.synchronize()
+            else:
+                concurrent.futures.wait([event])
         self.events = []
