@@ -9,7 +9,7 @@ hybrid groups, mixed layouts and block sizes, and partial prefix hits.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +69,7 @@ async def prefill_engine(spec: Any, tp: int, lease: float = 30.0) -> AsyncIterat
 
 
 async def pull_everything(
-    pspec: Any, dspec: Any, p: int, d: int, same_process: str, requests: int = 3
+    pspec: Any, dspec: Any, p: int, d: int, same_process: str, requests: int = 3, inline: int = 128 << 20
 ) -> tuple[list[akv.TransferResult], Prefill]:
     """Expose ``requests`` requests on a P-rank engine, pull each on every one of D decode
     ranks (every other one after a one-block prefix hit), verify every byte read."""
@@ -84,7 +84,12 @@ async def pull_everything(
         for r in range(d):
             consumer = await stack.enter_async_context(
                 akv.Consumer(
-                    akv.allocate_kv_cache(dspec, r, d), dspec, tp_rank=r, tp_size=d, same_process=same_process
+                    akv.allocate_kv_cache(dspec, r, d),
+                    dspec,
+                    tp_rank=r,
+                    tp_size=d,
+                    same_process=same_process,
+                    copy_inline_bytes=inline,
                 )
             )
             session = await consumer.connect(engine.endpoint)
@@ -147,9 +152,19 @@ async def test_copy_path_matches_nixl_reads(pspec: Any, dspec: Any, p: int, d: i
     copied, eng_c = await pull_everything(pspec, dspec, p, d, "auto")
     read, eng_r = await pull_everything(pspec, dspec, p, d, "nixl")
     assert {r.path for r in copied} == {"copy"} and {r.path for r in read} == {"read"}
-    assert [(r.bytes, r.descriptors, r.reads) for r in copied] == [(r.bytes, r.descriptors, r.reads) for r in read]
+    assert [(r.bytes, r.descriptors, r.reads) for r in copied] == [
+        (r.bytes, r.descriptors, r.reads) for r in read
+    ]
     assert {reason for _, reason in eng_c.releases} == {"read"} == {reason for _, reason in eng_r.releases}
     assert set(eng_c.releases.values()) == {p} == set(eng_r.releases.values())  # once per rank and request
+
+
+async def test_large_dram_copies_run_off_the_event_loop() -> None:
+    """With copy_inline_bytes=0 every DRAM copy runs in the worker thread: same bytes, same path."""
+    spec = make_spec(kv_heads=4)
+    results, engine = await pull_everything(spec, spec, 2, 1, "auto", inline=0)
+    assert {r.path for r in results} == {"copy"}
+    assert {reason for _, reason in engine.releases} == {"read"}
 
 
 async def test_copy_path_keeps_the_exposure_check() -> None:

@@ -75,6 +75,9 @@ class Consumer(RankBase):
             torch (on their device) and reads the others through NIXL; ``"copy"`` requires
             every prefill rank to live here (an [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError]
             at connect otherwise); ``"nixl"`` always reads through NIXL.
+        copy_inline_bytes: DRAM pulls on the copy path up to this size are copied at launch,
+            on the event loop's thread (fastest: no thread hand-off); larger ones in a worker
+            thread, so the loop never stalls for long. CUDA copies are always asynchronous.
         max_checks: exposure checks in flight at once.
         backend: a transport backend to use instead of creating a NIXL agent.
         progress_thread: let UCX run its own progress thread.
@@ -101,6 +104,7 @@ class Consumer(RankBase):
         retries: int = 3,
         verify_exposure: bool = True,
         same_process: str = "auto",
+        copy_inline_bytes: int = 128 << 20,
         max_checks: int = 1024,
         backend: Backend | None = None,
         progress_thread: bool = False,
@@ -131,6 +135,9 @@ class Consumer(RankBase):
         if same_process not in ("auto", "copy", "nixl"):
             raise ConfigError(f"same_process must be 'auto', 'copy' or 'nixl', got {same_process!r}")
         self.same_process = same_process
+        if copy_inline_bytes < 0:
+            raise ConfigError(f"copy_inline_bytes must be >= 0, got {copy_inline_bytes}")
+        self.copy_inline_bytes = copy_inline_bytes
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
         self.checks = CheckPool(max_checks)

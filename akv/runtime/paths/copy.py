@@ -99,8 +99,10 @@ class CopyPlan:
         tables: Mapping[TableKey, npt.NDArray[np.int64]],
         local: Sequence[torch.Tensor],
         remote: Mapping[int, LocalRank],
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         self.remote = dict(remote)
+        self.inline_bytes = inline_bytes
         self.rows: dict[TableKey, _Rows] = {}
         for key, table in tables.items():
             if key[0] == "local":
@@ -134,7 +136,7 @@ class CopyPlan:
                 ]
             except ValueError as exc:
                 return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
-            if prepared.bytes <= INLINE_BYTES:  # no thread hop, no GIL ping-pong with the poller
+            if prepared.bytes <= self.inline_bytes:  # no thread hop, no GIL ping-pong with the poller
                 _memmove_runs(runs, None)
                 return LocalCopy(
                     [], checks, request_id, prepared.remote_ids, prepared.read_ids, tuple(notify)
