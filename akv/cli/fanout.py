@@ -164,12 +164,13 @@ class rank_processes:
 
     async def __aenter__(self) -> rank_processes:
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
+        # On the way out: stop the children, then the watchers (signals stay handled till then).
+        self._stack.callback(self._tg.cancel_scope.cancel)
         self._stack.push_async_callback(_stop, self.procs)
         self._tg.start_soon(self._signals)
         return self
 
     async def __aexit__(self, *exc: Any) -> bool | None:
-        self._tg.cancel_scope.cancel()
         suppress = await self._stack.__aexit__(*exc)
         if self.signalled is not None:  # every child is gone now: say we were interrupted
             raise Interrupted(self.signalled)
@@ -184,10 +185,10 @@ class rank_processes:
 
     async def _signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
-            async for signum in received:
-                self.signalled = int(signum)
-                self.terminate()
-                return
+            async for signum in received:  # a repeated signal changes nothing: they are stopping
+                if self.signalled is None:
+                    self.signalled = int(signum)
+                    self.terminate()
 
     async def start(
         self, rank: int, argv: list[str], env: dict[str, str] | None = None, *, ready: bool = True

@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 
+from akv._log import get_logger
 from akv.cli.args import (
     EXIT_EXPIRED,
     EXIT_FAILED,
@@ -117,8 +118,11 @@ async def run_prefill(
     rank, size = a.tp_rank, a.tp_size
     reasons: dict[str, list[str]] = {r.request_id: [] for r in requests}
 
+    log = get_logger("akv.cli.prefill")
+
     def on_release(rel: Release) -> None:
         reasons[rel.request_id].append(rel.reason)
+        log.debug("request released", tp_rank=rank, request=rel.request_id, reason=rel.reason)
 
     server = ControlServer(
         host=a.host,
