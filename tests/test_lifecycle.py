@@ -120,7 +120,9 @@ def test_decode_engine_exits_1_on_a_shape_mismatch() -> None:
 
 def test_prefill_engine_exits_when_one_rank_is_killed() -> None:
     """kill -9 of one rank of `akv prefill --tp-size 2` (no --timeout) stops the engine in seconds: exit 1, the rank named."""
-    proc = start("prefill", "--tp-size", "2", "--requests", "2", "--blocks-per-request", "4", *SMALL, "--json")
+    proc = start(
+        "prefill", "--tp-size", "2", "--requests", "2", "--blocks-per-request", "4", *SMALL, "--json"
+    )
     try:
         assert read_json_line(proc)["event"] == "ready"
         ranks = descendants(proc.pid)
@@ -175,7 +177,17 @@ def test_decode_fails_the_rest_at_once_when_a_prefill_rank_dies() -> None:
         )
         assert read_json_line(rank1)["event"] == "ready"
         decode = start(
-            "decode", "--connect", boot, "--tp-size", "1", "--concurrency", "1", *UNSIZED, "--blocks", "8", "--json"
+            "decode",
+            "--connect",
+            boot,
+            "--tp-size",
+            "1",
+            "--concurrency",
+            "1",
+            *UNSIZED,
+            "--blocks",
+            "8",
+            "--json",
         )
         while read_json_line(decode).get("event") != "progress":
             pass
