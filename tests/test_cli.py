@@ -59,6 +59,11 @@ CONFIG_ERRORS = [
         "--host 192.0.2.1",
         id="prefill-unbindable-host",
     ),
+    pytest.param(
+        ["prefill", "--tp-size", "1", "--host", "0.0.0.0", "--allow-insecure", *PREFILL],
+        "--advertise-host",
+        id="prefill-wildcard-host",
+    ),
     pytest.param(["prefill", "--tp-size", "0", *PREFILL], "--tp-size", id="prefill-tp-0"),
     pytest.param(
         ["prefill", "--tp-size", "1", *PREFILL, "--blocks-per-request", "0"],
@@ -136,6 +141,21 @@ def test_demo_sizes_the_pool_and_passes_verbosity_on() -> None:
     assert summary["verified"] == summary["released"] == 40
     assert "control server listening" in proc.stderr  # prefill's INFO log, shown only with -v
     assert "decode rank connected" in proc.stderr
+    assert "request verified" not in proc.stderr  # a debug event: -vv only
+
+
+@pytest.mark.slow
+def test_demo_vv_logs_each_request() -> None:
+    """`akv demo -vv` logs more than -v: each request verified by decode and released by prefill."""
+    proc = akv(
+        "demo", "--prefill-tp", "1", "--decode-tp", "1", *SMALL, "--requests", "3", "--json", "-vv",
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [json.loads(ln) for ln in proc.stderr.splitlines() if ln.startswith("{")]
+    verified = {e["request"] for e in events if e.get("event") == "request verified"}
+    released = {e["request"] for e in events if e.get("event") == "request released"}
+    assert len(verified) == len(released) == 3
 
 
 def test_mla_needs_no_kv_heads() -> None:

@@ -88,3 +88,18 @@ def test_config_schema_example_in_the_docs_is_a_valid_cache(tmp_path: Path) -> N
         text=True,
     )
     assert bad.returncode == 64 and bad.stderr.count("\n") == 1 and "--config" in bad.stderr
+
+
+@pytest.mark.slow
+def test_docs_site_builds_strict(tmp_path: Path) -> None:
+    """`mkdocs build --strict` builds the site with no warning (every cross-reference resolves)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "site" / "operations" / "index.html").exists()

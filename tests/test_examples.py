@@ -18,7 +18,8 @@ sys.path.insert(0, str(EXAMPLES))
 
 
 @pytest.mark.parametrize(
-    "name", ["disaggregated_pair.py", "async_server.py", "trio_consumer.py", "hybrid_model.py"]
+    "name",
+    ["disaggregated_pair.py", "async_server.py", "trio_consumer.py", "hybrid_model.py", "engine_loop.py"],
 )
 def test_example_runs_on_defaults(name: str) -> None:
     """Each example starts its own peers, verifies its data and exits 0."""

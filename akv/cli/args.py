@@ -30,6 +30,7 @@ __all__ = [
     "EXIT_EXPIRED",
     "EXIT_FAILED",
     "EXIT_OK",
+    "EXIT_PIPE",
     "EXIT_USAGE",
     "add_common",
     "add_device_flag",
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_EXPIRED, EXIT_USAGE = 0, 1, 3, 64  # 2 is argparse's usage error
+EXIT_PIPE = 141  # stdout closed early (``akv plan | head -1``): as a command killed by SIGPIPE
 
 #: Blocks in each rank's pool when ``--blocks`` is not given (prefill and demo raise it to
 #: fit ``--requests`` x ``--blocks-per-request``).

@@ -4,6 +4,7 @@ per rank (``--tp-rank R`` runs one; without it the command starts one process pe
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -12,6 +13,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from akv._log import get_logger
 from akv.cli.args import (
     EXIT_FAILED,
     EXIT_OK,
@@ -26,8 +28,22 @@ from akv.cli.args import (
     spec_from_args,
     use_gpu_environment,
 )
-from akv.cli.fanout import ChildFailed, RankProcess, child_argv, exit_with_parent, rank_processes
-from akv.errors import AkvError, ConfigError
+from akv.cli.fanout import (
+    ChildFailed,
+    RankProcess,
+    child_argv,
+    exit_status,
+    exit_with_parent,
+    rank_processes,
+)
+from akv.errors import (
+    AkvError,
+    ConfigError,
+    HandshakeError,
+    TransferError,
+    TransferTimeout,
+    UnsafeReadError,
+)
 from akv.geometry.cache import CacheSpec, as_cache
 from akv.protocol.address import check_engine_id, parse_engine_address
 from akv.runtime.rank import default_engine_id
@@ -79,6 +95,15 @@ class BlockAllocator:
         self._changed = anyio.Event()
 
 
+def _peer_lost(exc: AkvError) -> bool:
+    """A failure that every later pull needing that prefill rank would meet too: the rank is
+    gone (its reads failed) or cannot be handshaken again. A timeout (maybe only slow) or a
+    failed exposure check (the link is fine) concerns one request."""
+    if isinstance(exc, HandshakeError):
+        return True
+    return isinstance(exc, TransferError) and not isinstance(exc, (TransferTimeout, UnsafeReadError))
+
+
 def _tokens(remote: CacheSpec, req: Any) -> int:
     """A request's tokens: announced, or the prefill engine's blocks of its first token group
     that the request lists are full."""
@@ -102,6 +127,7 @@ async def run_decode(
     spec = spec_from_args(a)
     size = a.tp_size
     mine = [a.tp_rank] if a.tp_rank is not None else list(range(size))
+    log = get_logger("akv.cli.decode")
     engine_id = a.engine_id or default_engine_id("decode")
     requests = await fetch_requests(a.connect, spec, a.secret, engine_id)
     cache = as_cache(spec)
@@ -141,19 +167,46 @@ async def run_decode(
         allocators = {g.name: BlockAllocator(g.num_blocks, seed=a.seed) for g in cache.groups}
         limiter = anyio.CapacityLimiter(max(1, a.concurrency))
         done = 0
+        verified: set[str] = set()
+        lost: list[str] = []
 
         async def pull(d: int, pr: PullRequest, seed: int, used: set[str]) -> bool:
             try:
                 res = await (await sessions[d].pull(pr))
             except AkvError as exc:
-                errors.append(f"{pr.request_id} rank {d}: {type(exc).__name__}: {exc}")
+                why = f"{type(exc).__name__}: {exc}"
+                errors.append(f"{pr.request_id} rank {d}: {why}")
+                if _peer_lost(exc):
+                    if not lost:
+                        # A lost prefill rank fails every pull that needs it: stop now, in one line,
+                        # rather than fail the rest one re-handshake at a time.
+                        lost.append(why)
+                        log.error(
+                            "prefill engine lost: the requests not pulled yet fail",
+                            decode_rank=d,
+                            request=pr.request_id,
+                            error=why,
+                            remaining=len(requests) - len(verified) - len(failed),
+                        )
+                    tg.cancel_scope.cancel()
+                else:
+                    log.warning("pull failed", decode_rank=d, request=pr.request_id, error=why)
                 return False
             stats["bytes"] += res.bytes
             stats["descriptors"] += res.descriptors
             used.add(res.path)
             if verify_request(caches[d], spec, d, size, pr.local_block_ids, seed, num_tokens=pr.num_tokens):
+                log.debug(
+                    "request verified",
+                    decode_rank=d,
+                    request=pr.request_id,
+                    bytes=res.bytes,
+                    reads=res.reads,
+                    seconds=round(res.seconds, 6),
+                )
                 return True
             errors.append(f"{pr.request_id} rank {d}: data mismatch")
+            log.warning("pulled data does not match", decode_rank=d, request=pr.request_id)
             return False
 
         async def one(i: int, req: Any) -> None:
@@ -181,7 +234,7 @@ async def run_decode(
                     for name, blocks_ in local.items():
                         allocators[name].release(blocks_)
             if ok:
-                stats["verified"] += 1
+                verified.add(req.request_id)
             else:
                 failed.append(req.request_id)
             done += 1
@@ -191,6 +244,11 @@ async def run_decode(
         async with anyio.create_task_group() as tg:
             for i, req in enumerate(requests):
                 tg.start_soon(one, i, req)
+        stats["verified"] = len(verified)
+        # After a lost peer, the requests cancelled in flight or never started fail too.
+        failed = sorted({r.request_id for r in requests} - verified)
+        if lost:
+            errors.insert(0, f"a prefill rank was lost, the rest not pulled: {lost[0]}")
     seconds = time.monotonic() - started
     summary = {
         "event": "summary",
@@ -236,6 +294,12 @@ async def run_decode_engine(
     codes = [rp.code for rp in ranks.procs]
     if any(code == EXIT_USAGE for code in codes):
         raise ChildFailed(EXIT_USAGE)  # a rank said what to change, on stderr
+    for rp in ranks.procs:  # whichever rank failed, say which and why
+        if rp.code != 0:
+            print(
+                f"akv decode: rank {rp.rank} failed ({exit_status(rp.code)}): {_why(rp.summary)}",
+                file=sys.stderr,
+            )
     requests = max((s.get("requests", 0) for s in summaries), default=0)
     failed = set().union(*(set(s.get("failed_ids", [])) for s in summaries))
     complete = all(s.get("requests") == requests for s in summaries)
@@ -259,11 +323,22 @@ async def run_decode_engine(
         "descriptors": sum(s.get("descriptors", 0) for s in summaries),
         "errors": [e for s in summaries for e in s.get("errors", [])][:10],
         "exit_codes": codes,
+        "failed_ranks": [rp.rank for rp in ranks.procs if rp.code != 0],
     }
     errs = [s["error"] for s in summaries if "error" in s]
     if errs:
         summary["error"] = errs[0]
     return summary
+
+
+def _why(summary: dict[str, Any] | None) -> str:
+    """A rank's failure in words, from its summary (or its absence)."""
+    if summary is None:
+        return "it printed no summary"
+    if summary.get("error"):
+        return str(summary["error"])
+    first = (summary.get("errors") or ["no error recorded"])[0]
+    return f"{summary.get('failed', 0)}/{summary.get('requests', 0)} requests failed; {first}"
 
 
 def cmd_decode(a: argparse.Namespace) -> int:
@@ -291,6 +366,8 @@ def cmd_decode(a: argparse.Namespace) -> int:
             "error": f"{type(exc).__name__}: {exc}",
         }
         report(a, summary, f"decode failed: {type(exc).__name__}: {exc}")
+        if a.parent_pid is None:  # a rank process's parent says it, naming the rank
+            print(f"akv decode{_rank(a)}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     report(
         a,
@@ -298,5 +375,15 @@ def cmd_decode(a: argparse.Namespace) -> int:
         f"decode: {summary['verified']}/{summary['requests']} requests verified, "
         f"{summary['bytes'] / 1e6:.1f} MB in {summary['seconds']:.2f}s",
     )
-    ok = summary["verified"] == summary["requests"] and not summary["failed"]
+    ok = (
+        summary["verified"] == summary["requests"]
+        and not summary["failed"]
+        and not summary.get("failed_ranks")
+    )
+    if not ok and a.parent_pid is None and "failed_ranks" not in summary:
+        print(f"akv decode{_rank(a)}: {_why(summary)}", file=sys.stderr)
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def _rank(a: argparse.Namespace) -> str:
+    return f" rank {a.tp_rank}" if a.tp_rank is not None and a.tp_size > 1 else ""

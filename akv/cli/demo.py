@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import time
 from typing import Any
 
 import anyio
+from anyio.abc import Process
 
 from akv.cli.args import (
     EXIT_FAILED,
@@ -27,6 +29,7 @@ from akv.cli.args import (
     use_gpu_environment,
     verbosity_argv,
 )
+from akv.cli.fanout import Interrupted
 from akv.errors import ConfigError, IncompatiblePeerError
 from akv.geometry.cache import as_cache, check_peer
 from akv.testing import EtcdServer, ProgressBar, ajson_lines, etcd_binary
@@ -68,27 +71,62 @@ def validate(a: argparse.Namespace) -> None:
 
 
 async def run_demo(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    """Run the demo; SIGTERM or SIGINT stops both commands (and so every rank) within a few
+    seconds and raises [`Interrupted`][akv.cli.fanout.Interrupted]."""
+    procs: list[Process] = []
+    signalled: list[int] = []
+
+    async def stop_on_signal() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+            async for signum in received:  # the receiver stays open: a second signal changes nothing
+                if signalled:
+                    continue
+                signalled.append(int(signum))
+                for proc in procs:  # each stops its rank processes
+                    if proc.returncode is None:
+                        proc.terminate()
+                with anyio.move_on_after(5):
+                    for proc in procs:
+                        await proc.wait()
+                for proc in procs:  # still there: no more waiting (their ranks exit with their parent)
+                    if proc.returncode is None:
+                        proc.kill()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop_on_signal)
+        result = await _run_demo_etcd(a, procs)
+        tg.cancel_scope.cancel()
+    if signalled:
+        raise Interrupted(signalled[0])
+    return result
+
+
+async def _run_demo_etcd(a: argparse.Namespace, procs: list[Process]) -> tuple[dict[str, Any], int]:
     if not a.etcd:
-        return await _run_demo(a, [], None)
+        return await _run_demo(a, [], None, procs)
     with tempfile.TemporaryDirectory(prefix="akv-demo-etcd-") as data:
         server = EtcdServer(data)  # a local etcd for this demo only
         await anyio.to_thread.run_sync(server.start)
         try:
             engine = f"demo-{secrets.token_hex(4)}"
             return await _run_demo(
-                a, ["--etcd", server.endpoint, "--engine-id", engine], f"etcd://{server.endpoint}/{engine}"
+                a,
+                ["--etcd", server.endpoint, "--engine-id", engine],
+                f"etcd://{server.endpoint}/{engine}",
+                procs,
             )
         finally:
             await anyio.to_thread.run_sync(server.stop)
 
 
 async def _run_demo(
-    a: argparse.Namespace, prefill_extra: list[str], connect: str | None
+    a: argparse.Namespace, prefill_extra: list[str], connect: str | None, procs: list[Process]
 ) -> tuple[dict[str, Any], int]:
     env = dict(os.environ)
     env.setdefault("AKV_SECRET", a.secret or secrets.token_hex(16))  # the demo authenticates its peers
     env["NIXL_LOG_LEVEL"] = env.get("NIXL_LOG_LEVEL", "WARN")
     py = [sys.executable, "-m", "akv"]
+    with_parent = ["--parent-pid", str(os.getpid())]  # if this process is killed, they stop too
     prefill_model = [
         *model_argv(a, layout=a.prefill_layout, block_size=a.prefill_block_size),
         *verbosity_argv(a),
@@ -117,6 +155,7 @@ async def _run_demo(
         str(a.devices["prefill"]),
         *prefill_model,
         *prefill_extra,
+        *with_parent,
     ]
     bar = ProgressBar(sys.stderr.isatty() and not a.json)
     started = time.monotonic()
@@ -125,6 +164,7 @@ async def _run_demo(
     codes: dict[str, int | None] = {}
     with anyio.move_on_after(a.timeout) as scope:
         async with await anyio.open_process(prefill_cmd, env=env, stderr=None) as prefill:
+            procs.append(prefill)
             endpoint = None
             lines = ajson_lines(prefill.stdout)
             async for msg in lines:
@@ -148,8 +188,10 @@ async def _run_demo(
                 "--device",
                 str(a.devices["decode"]),
                 *decode_model,
+                *with_parent,
             ]
             async with await anyio.open_process(decode_cmd, env=env, stderr=None) as decode:
+                procs.append(decode)
                 async for msg in ajson_lines(decode.stdout):
                     if msg.get("event") == "progress":
                         bar.update(msg["done"], msg["total"])

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from akv._log import configure_cli_logging
 from akv.cli.args import (
     EXIT_FAILED,
+    EXIT_PIPE,
     EXIT_USAGE,
     add_common,
     add_device_flag,
@@ -28,7 +29,7 @@ from akv.cli.args import (
 from akv.cli.decode import cmd_decode
 from akv.cli.demo import cmd_demo
 from akv.cli.engines import add_engines_parser
-from akv.cli.fanout import ChildFailed
+from akv.cli.fanout import ChildFailed, Interrupted
 from akv.cli.plan import cmd_plan
 from akv.cli.prefill import cmd_prefill
 from akv.errors import AkvError
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0] if __doc__ else None,
         epilog="exit codes: 0 success; 1 a transfer, verification or handshake failed; 2 unknown or "
         "missing options; 3 (prefill) a request was released by lease, not by read; 64 an invalid "
-        "configuration (one line on stderr says what to change)",
+        "configuration (one line on stderr says what to change); 130/143 interrupted by SIGINT/SIGTERM; "
+        "141 stdout was closed early",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -294,6 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = a.func(a)
     except BaseException as exc:
         # Task groups wrap errors in (nested) exception groups: report the leaf, in one line.
+        if first_leaf(exc, BrokenPipeError) is not None:
+            return _stdout_closed()
+        interrupted = first_leaf(exc, Interrupted)
+        if isinstance(interrupted, Interrupted):
+            print(f"akv {a.command}: {interrupted}; every process it started is stopped", file=sys.stderr)
+            return 128 + interrupted.signum
         if first_leaf(exc, KeyboardInterrupt) is not None:
             return 130
         child = first_leaf(exc, ChildFailed)
@@ -308,4 +316,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"akv {a.command}: {type(failure).__name__}: {failure}", file=sys.stderr)
         return EXIT_FAILED
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _stdout_closed()
     return code
+
+
+def _stdout_closed() -> int:
+    """Whoever read stdout stopped reading (``akv plan | head -1``): end quietly, as a command
+    killed by SIGPIPE does (exit 141), and keep the interpreter's final flush from complaining."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE

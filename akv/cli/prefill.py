@@ -10,12 +10,14 @@ import argparse
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 
+from akv._log import get_logger
 from akv.cli.args import (
     EXIT_EXPIRED,
     EXIT_FAILED,
@@ -32,7 +34,14 @@ from akv.cli.args import (
     spec_from_args,
     use_gpu_environment,
 )
-from akv.cli.fanout import ChildFailed, RankProcess, child_argv, exit_with_parent, rank_processes
+from akv.cli.fanout import (
+    ChildFailed,
+    RankProcess,
+    child_argv,
+    exit_status,
+    exit_with_parent,
+    rank_processes,
+)
 from akv.errors import ConfigError
 from akv.protocol.address import check_engine_id, is_loopback, parse_endpoint, parse_engine_address
 from akv.protocol.handshake import SECRET_ENV, resolve_secret
@@ -57,6 +66,17 @@ def validate(a: argparse.Namespace) -> None:
         is_loopback(a.host) or a.allow_insecure or resolve_secret(a.secret) is not None,
         f"refusing to serve KV metadata on non-loopback --host {a.host} without a secret: "
         f"set {SECRET_ENV} or --secret, or pass --allow-insecure on a trusted network",
+    )
+    wildcards = ("0.0.0.0", "::", "[::]", "")
+    check(
+        a.host not in wildcards or a.advertise_host is not None,
+        f"--host {a.host or repr(a.host)} binds every interface, and peers cannot connect to it: give "
+        "--advertise-host H, the address other ranks and decode engines reach this host at",
+    )
+    check(
+        a.advertise_host not in wildcards,
+        f"--advertise-host {a.advertise_host or repr(a.advertise_host)} is not an address peers can "
+        "reach: give this host's routable address",
     )
     if a.tp_rank is not None:
         check(
@@ -102,8 +122,11 @@ async def run_prefill(
     rank, size = a.tp_rank, a.tp_size
     reasons: dict[str, list[str]] = {r.request_id: [] for r in requests}
 
+    log = get_logger("akv.cli.prefill")
+
     def on_release(rel: Release) -> None:
         reasons[rel.request_id].append(rel.reason)
+        log.debug("request released", tp_rank=rank, request=rel.request_id, reason=rel.reason)
 
     server = ControlServer(
         host=a.host,
@@ -199,6 +222,7 @@ async def run_prefill_engine(
     the others at once); returns the engine's summary, aggregated from the ranks' (today's fields)."""
     argv = [*a.argv, "--until-terminated"]
     released_ranks: set[int] = set()
+    lost: list[RankProcess] = []
 
     def on_line(rp: RankProcess, msg: dict[str, Any]) -> None:
         if msg.get("event") == "released":
@@ -206,7 +230,14 @@ async def run_prefill_engine(
             if len(released_ranks) == a.tp_size and not a.hold:
                 ranks.terminate()  # every rank released everything: stop them all (they print summaries)
 
-    async with rank_processes(on_line) as ranks:
+    def on_exit(rp: RankProcess) -> None:
+        # A rank that exits unasked without its summary (killed, crashed) is lost: the engine
+        # cannot serve its share any more, so stop the others now rather than wait on leases.
+        if not rp.stopped and rp.summary is None:
+            lost.append(rp)
+            ranks.terminate()
+
+    async with rank_processes(on_line, on_exit) as ranks:
         first = await ranks.start(0, child_argv(argv, "--tp-rank", "0"))
         if first.ready is None:
             raise ChildFailed(first.code or EXIT_FAILED)  # the child said why, on stderr
@@ -235,6 +266,11 @@ async def run_prefill_engine(
             }
         )
         await ranks.wait()
+    for rp in lost:
+        print(
+            f"akv prefill: rank {rp.rank} was lost ({exit_status(rp.code)}); stopped the other ranks",
+            file=sys.stderr,
+        )
     summaries = [rp.summary or {} for rp in ranks.procs]
     ids: set[str] = {r.request_id for r in _requests(a, spec_from_args(a))}
     released = ids.intersection(*(set(s.get("released_ids", [])) for s in summaries))
@@ -254,6 +290,7 @@ async def run_prefill_engine(
         "notifications_invalid": sum(s.get("notifications_invalid", 0) for s in summaries),
         "auth_failures": sum(s.get("auth_failures", 0) for s in summaries),
         "exit_codes": [rp.code for rp in ranks.procs],
+        "lost_ranks": [rp.rank for rp in lost],
     }
 
 
@@ -270,6 +307,8 @@ def cmd_prefill(a: argparse.Namespace) -> int:
         f"prefill{'' if a.tp_rank is None else f' rank {a.tp_rank}'}: {summary['released']}/"
         f"{summary['requests']} requests released by read, {summary['expired']} expired",
     )
+    if summary.get("lost_ranks"):
+        return EXIT_FAILED
     if summary["released"] == summary["requests"]:
         return EXIT_OK
     return EXIT_EXPIRED if summary["expired"] else EXIT_FAILED

@@ -224,7 +224,7 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     Build with [`CacheSpec.create`][akv.CacheSpec.create] (validates), from a preset
     ([`akv.presets.preset`][akv.presets.preset]) or a one-group [`KVSpec`][akv.KVSpec]
-    ([`as_cache`][akv.geometry.cache.as_cache]). Block ids of a request are given per
+    (its [`to_cache`][akv.KVSpec.to_cache]). Block ids of a request are given per
     group as a mapping ``{group name: ids}``; a one-group cache also takes a flat list.
 
     Attributes:
