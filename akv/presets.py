@@ -289,7 +289,9 @@ def _hf_load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str,
         with open(config, "rb") as f:
             data = json.loads(f.read())
     except OSError as exc:
-        raise ConfigError(f"cannot read the model config {os.fspath(config)!r}: {exc.strerror or exc}") from None
+        raise ConfigError(
+            f"cannot read the model config {os.fspath(config)!r}: {exc.strerror or exc}"
+        ) from None
     except ValueError as exc:
         raise ConfigError(f"the model config {os.fspath(config)!r} is not JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -340,7 +342,9 @@ def _hf_kinds(cfg: Mapping[str, Any]) -> tuple[str, ...]:
             kinds = [linear if k == "linear" else k for k in kinds]
     elif cfg.get("hybrid_override_pattern") is not None:
         pattern = cfg["hybrid_override_pattern"]
-        bad = next((c for c in str(pattern) if c not in _HF_PATTERN), None) if isinstance(pattern, str) else ""
+        bad = (
+            next((c for c in str(pattern) if c not in _HF_PATTERN), None) if isinstance(pattern, str) else ""
+        )
         if bad is not None:
             raise ConfigError(
                 f"model config: 'hybrid_override_pattern' holds {bad!r}; akv maps only "

@@ -47,6 +47,9 @@ from akv.geometry.cache import LAYOUTS, check_peer
 from akv.presets import from_hf_config
 from akv.testing import ajson_lines, local_counts
 
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
+    from exceptiongroup import BaseExceptionGroup
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 64
 REQUEST = "real-model-0"
 
@@ -327,6 +330,17 @@ def transfer_options(a: argparse.Namespace) -> dict[str, Any]:
 
 
 async def prefill(a: argparse.Namespace) -> int:
+    """The prefill engine; the decode engine's ranks start first and wait for the request."""
+    results: dict[int, dict[str, Any]] = {}
+    async with anyio.create_task_group() as tg:
+        decoded = await tg.start(run_decode_ranks, a, results)
+        return await serve_prefill(a, results, decoded)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def serve_prefill(
+    a: argparse.Namespace, results: dict[int, dict[str, Any]], decoded: anyio.Event
+) -> int:
     started = time.monotonic()
     model = build_model(a.arch, a.seed, a.device)
     spec = cache_spec(model, a, "prefill")
@@ -398,10 +412,10 @@ async def prefill(a: argparse.Namespace) -> int:
             "first_token": first,
         }
         (work / "request.json").write_text(json.dumps(announce))
-        try:
-            results = await run_decode_ranks(a)
-        except TimeoutError:
-            results = {0: {"error": f"decode did not finish within --timeout {a.timeout} s"}}
+        with anyio.move_on_after(a.timeout):
+            await decoded.wait()
+        if not decoded.is_set():
+            results[0] = {"error": f"decode did not finish within --timeout {a.timeout} s"}
         with anyio.move_on_after(a.timeout):
             await released.wait()
     result = results.get(0, {})
@@ -444,12 +458,17 @@ def decode_argv(a: argparse.Namespace, rank: int) -> list[str]:
             "--workdir", a.workdir]  # fmt: skip
 
 
-async def run_decode_ranks(a: argparse.Namespace) -> dict[int, dict[str, Any]]:
-    """Start every decode rank as its own process; each one's last JSON line and exit code."""
-    results: dict[int, dict[str, Any]] = {}
+async def run_decode_ranks(
+    a: argparse.Namespace, results: dict[int, dict[str, Any]], *, task_status: Any = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Start every decode rank as its own process (reports an Event set once all exited);
+    collect each one's last JSON line and exit code into ``results``."""
+    done = anyio.Event()
+    procs = [await anyio.open_process(decode_argv(a, rank), stderr=None) for rank in range(a.decode_tp)]
+    task_status.started(done)
 
-    async def one(rank: int) -> None:
-        async with await anyio.open_process(decode_argv(a, rank), stderr=None) as proc:
+    async def one(rank: int, proc: Any) -> None:
+        async with proc:
             async for msg in ajson_lines(proc.stdout, lambda line: print(line, file=sys.stderr)):
                 results[rank] = msg
             code = await proc.wait()
@@ -457,11 +476,10 @@ async def run_decode_ranks(a: argparse.Namespace) -> dict[int, dict[str, Any]]:
         if code and not results[rank].get("error"):
             results[rank]["error"] = f"decode rank {rank} exited with {code}"
 
-    with anyio.fail_after(a.timeout):
-        async with anyio.create_task_group() as tg:
-            for rank in range(a.decode_tp):
-                tg.start_soon(one, rank)
-    return results
+    async with anyio.create_task_group() as tg:
+        for rank, proc in enumerate(procs):
+            tg.start_soon(one, rank, proc)
+    done.set()
 
 
 # -- decode: one process per rank ----------------------------------------------------------------
@@ -472,13 +490,23 @@ async def decode(a: argparse.Namespace) -> int:
         return await _decode(a)
     except (AkvError, TimeoutError) as exc:
         error = f"decode rank {a.tp_rank}: {type(exc).__name__}: {exc}"
-        print(json.dumps({"event": "result", "tp_rank": a.tp_rank, "match": False, "error": error}), flush=True)
+        print(
+            json.dumps({"event": "result", "tp_rank": a.tp_rank, "match": False, "error": error}), flush=True
+        )
         return EXIT_FAILED
 
 
 async def _decode(a: argparse.Namespace) -> int:
     work = Path(a.workdir)
     rank, size = a.tp_rank, a.decode_tp
+    # Rank 0 runs the model: build it while the prefill engine computes.
+    model = build_model(a.arch, a.seed, a.device) if rank == 0 else None
+    parent = os.getppid()
+    with anyio.fail_after(a.timeout):  # the request's announcement (a router's job)
+        while not (work / "request.json").exists():
+            if os.getppid() != parent:
+                raise ConfigError("the prefill process is gone")
+            await anyio.sleep(0.05)
     announce = json.loads((work / "request.json").read_text())
     n = int(announce["num_tokens"])
     # The cache description only: decode ranks other than 0 never build the model.
@@ -511,12 +539,15 @@ async def _decode(a: argparse.Namespace) -> int:
         print(json.dumps(line), flush=True)
         return EXIT_OK
     # Rank 0 runs the model: gather every rank's slice (a stand-in for the TP all-gather).
-    with anyio.fail_after(a.timeout):
-        while not all((work / f"rank{d}.pt").exists() for d in range(size)):
+    with anyio.fail_after(a.timeout):  # files written by other processes: poll
+        while not all((work / f"rank{d}.pt").exists() for d in range(size)):  # noqa: ASYNC110
             await anyio.sleep(0.05)
     dumps = [mine] + [torch.load(work / f"rank{d}.pt") for d in range(1, size)]
     units, agree = assemble(spec, size, dumps)
-    model = build_model(a.arch, a.seed, a.device)
+    if a.fault == "swap-kv":  # tests: a K/V swap must not pass
+        layer = next(g for g in spec.groups if g.tokens).layers[0]
+        units[layer, "k"], units[layer, "v"] = units[layer, "v"], units[layer, "k"]
+    assert model is not None
     cache = rebuild(model, spec, units)
     tokens, logits = greedy(model, int(announce["first_token"]), cache, a.new_tokens - 1)
     ref = torch.load(work / "reference.pt")
@@ -572,6 +603,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     p.add_argument("--engine-id", help=argparse.SUPPRESS)
+    p.add_argument("--fault", choices=("swap-kv",), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.argv = [x for x in argv]
     return a
@@ -626,9 +658,23 @@ def main(argv: list[str]) -> int:
             a.engine_id = f"decode-{secrets.token_hex(4)}"
             a.argv = [*a.argv, "--engine-id", a.engine_id]
             return anyio.run(prefill, a)
-    except ConfigError as exc:
-        print(f"real_model.py: {exc}", file=sys.stderr)
+    except (ConfigError, BaseExceptionGroup) as exc:
+        config = first_config_error(exc)
+        if config is None:
+            raise
+        print(f"real_model.py: {config}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def first_config_error(exc: BaseException) -> ConfigError | None:
+    """The ConfigError in ``exc``, looking inside (nested) exception groups."""
+    if isinstance(exc, ConfigError):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = first_config_error(inner)
+        if found is not None:
+            return found
+    return None
 
 
 if __name__ == "__main__":

@@ -58,7 +58,10 @@ def test_layer_types_lists_as_transformers_writes_them() -> None:
         ({"layer_types": ["full_attention", "chunked_attention"], "num_hidden_layers": 2}, "layer_types[1]"),
         ({"linear_key_head_dim": None}, "linear_key_head_dim"),
         ({"torch_dtype": "float64"}, "torch_dtype"),
-        ({"layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_hidden_layers": 5}, "num_hidden_layers"),
+        (
+            {"layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_hidden_layers": 5},
+            "num_hidden_layers",
+        ),
         ({"num_key_value_heads": 0}, "num_key_value_heads"),
         ({"linear_num_value_heads": None}, "linear_num_value_heads"),
     ],
@@ -75,7 +78,7 @@ def test_unreadable_files_are_config_errors(tmp_path: Path) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     for path in (tmp_path / "missing.json", bad):
-        with pytest.raises(ConfigError, match="config.json|missing.json"):
+        with pytest.raises(ConfigError, match=r"config\.json|missing\.json"):
             from_hf_config(path)
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="not a JSON object"):

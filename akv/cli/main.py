@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE.json", help="a cache description in the schema of akv.CacheSpec")
     p.add_argument(
-        "--hf-config", metavar="FILE.json", help="a model's own Hugging Face config.json (see akv prefill --help)"
+        "--hf-config",
+        metavar="FILE.json",
+        help="a model's own Hugging Face config.json (see akv prefill --help)",
     )
     p.add_argument(
         "--layers", type=int, default=None, help="with --preset or --hf-config: scale to this many layers"
