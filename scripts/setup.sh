@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install akv with its test extras. torch goes first, pinned, so that
-# nixl's unpinned torch requirement does not drag CUDA wheels onto a CPU machine.
+# Create .venv and install akv with its test and models extras (transformers, for
+# examples/real_model.py and its tests). torch goes first, pinned, so that nixl's (and
+# transformers') unpinned torch requirement does not drag CUDA wheels onto a CPU machine.
 # Then etcd (Debian's etcd-server) for the discovery tests, if it is not there yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +9,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==${AKV_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,models]"
 
 # etcd server binary for tests/test_discovery.py (started by the tests on free loopback ports).
 if [ -z "${AKV_ETCD:-}" ] && ! command -v etcd >/dev/null 2>&1; then

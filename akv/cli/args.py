@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from akv.errors import ConfigError
 from akv.geometry.cache import LAYOUTS, CacheSpec
 from akv.geometry.spec import DTYPE_SIZES, KVSpec
-from akv.presets import PRESETS, preset
+from akv.presets import PRESETS, from_hf_config, preset
 
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
     from exceptiongroup import BaseExceptionGroup
@@ -39,6 +39,7 @@ __all__ = [
     "check_model",
     "check_port",
     "check_seconds",
+    "described_by",
     "device_of",
     "emit",
     "first_leaf",
@@ -74,7 +75,8 @@ def add_model_flags(
     kv_heads_default: int | None = None,
 ) -> None:
     """The model-shape flags. ``sized``: ``--blocks`` defaults to what the requests need;
-    ``kv_heads_default``: ``--kv-heads`` when neither it, ``--mla``, ``--preset`` nor ``--config`` is given."""
+    ``kv_heads_default``: ``--kv-heads`` when neither it, ``--mla``, ``--preset``, ``--config`` nor
+    ``--hf-config`` is given."""
     g = p.add_argument_group(
         "model shape (must match on both sides, except --blocks, --block-size and --layout)"
     )
@@ -89,18 +91,27 @@ def add_model_flags(
         help='a cache description {"groups": [...]} in the schema of akv.CacheSpec (docs/concepts.md)',
     )
     g.add_argument(
+        "--hf-config",
+        metavar="FILE.json",
+        help="a model's own Hugging Face config.json (akv.presets.from_hf_config; with --layers: scaled "
+        "down, same kinds; its dtype unless --dtype)",
+    )
+    g.add_argument(
         "--kv-heads",
         type=int,
         default=kv_heads,
         metavar="H",
-        help="total KV heads of the model; required unless --mla or --preset"
+        help="total KV heads of the model; required unless --mla, --preset, --config or --hf-config"
         + (" (default: %(default)s)" if kv_heads is not None else "")
         + (f" (default: {kv_heads_default})" if kv_heads_default is not None else ""),
     )
     p.set_defaults(kv_heads_default=kv_heads_default)
     g.add_argument("--mla", action="store_true", help="MLA latent cache, replicated on every rank")
     g.add_argument(
-        "--layers", type=int, default=None, help="transformer layers (default: 4; a preset's own count)"
+        "--layers",
+        type=int,
+        default=None,
+        help="transformer layers (default: 4; a --preset's or --hf-config's own count)",
     )
     blocks_help = (
         f"blocks in each rank's pool (default: {DEFAULT_BLOCKS}, or --requests x --blocks-per-request "
@@ -155,10 +166,18 @@ def check_port(port: int) -> None:
     check(0 <= port <= 65535, f"--port must be in 0-65535 (0 picks a free port), got {port}")
 
 
+def described_by(a: argparse.Namespace) -> str | None:
+    """The flag describing the whole model (``--preset``, ``--config`` or ``--hf-config``), if
+    any; ConfigError if several are given."""
+    given = [f for f, v in (("--preset", a.preset), ("--config", a.config),
+                            ("--hf-config", getattr(a, "hf_config", None))) if v]  # fmt: skip
+    check(len(given) <= 1, f"{' and '.join(given)} exclude each other: give one")
+    return given[0] if given else None
+
+
 def check_model(a: argparse.Namespace, *tp_flags: str) -> None:
     """The model flags, and that the model can be sharded over each TP size in ``tp_flags``."""
-    described = "--preset" if a.preset else "--config" if a.config else None
-    check(not (a.preset and a.config), "--preset and --config exclude each other: give one")
+    described = described_by(a)
     if described:
         given = [f for f, v in (("--kv-heads", a.kv_heads), ("--head-dim", a.head_dim)) if v is not None]
         given += ["--mla"] * bool(a.mla) + ["--joint-kv"] * bool(a.joint_kv)
@@ -167,7 +186,9 @@ def check_model(a: argparse.Namespace, *tp_flags: str) -> None:
     elif a.kv_heads is None and not a.mla and getattr(a, "kv_heads_default", None):
         a.kv_heads = a.kv_heads_default
     elif a.kv_heads is None and not a.mla:
-        raise ConfigError("--kv-heads is required (the model's total KV heads), unless --mla or --preset")
+        raise ConfigError(
+            "--kv-heads is required (the model's total KV heads), unless --mla, --preset or --hf-config"
+        )
     flags = {"layers": a.layers, "block-size": a.block_size, "head-dim": a.head_dim, "blocks": a.blocks}
     if not a.mla and not described:
         flags["kv-heads"] = a.kv_heads
@@ -220,6 +241,18 @@ def spec_from_args(
         )
     if a.config:
         return _config(a.config, a.blocks, block_size, layout, a.dtype)
+    if getattr(a, "hf_config", None):
+        try:
+            return from_hf_config(
+                a.hf_config,
+                layers=a.layers,
+                blocks=blocks,
+                block_size=block_size or 16,
+                dtype=a.dtype,
+                layout=layout or "HND",
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"--hf-config {a.hf_config}: {exc}") from None
     return KVSpec.create(
         layers=a.layers or 4,
         num_blocks=blocks,
@@ -270,6 +303,8 @@ def model_argv(
         argv += ["--preset", a.preset]
     elif a.config:
         argv += ["--config", a.config]
+    elif getattr(a, "hf_config", None):
+        argv += ["--hf-config", a.hf_config]
     else:
         argv += ["--kv-heads", str(a.kv_heads)] if not a.mla else ["--mla"]
         argv += ["--head-dim", str(a.head_dim or 64)]

@@ -21,6 +21,7 @@ from akv.cli.args import (
     check,
     check_model,
     check_seconds,
+    described_by,
     device_of,
     emit,
     model_argv,
@@ -212,9 +213,9 @@ async def _run_demo(
         "event": "summary",
         "prefill_tp": a.prefill_tp,
         "decode_tp": a.decode_tp,
-        "kv_heads": None if a.preset or a.config else 1 if a.mla else a.kv_heads,
+        "kv_heads": None if described_by(a) else 1 if a.mla else a.kv_heads,
         "mla": a.mla,
-        "model": a.preset or a.config or ("mla" if a.mla else "dense"),
+        "model": a.preset or a.config or a.hf_config or ("mla" if a.mla else "dense"),
         "prefill_layout": a.prefill_layout or a.layout or "HND",
         "decode_layout": a.decode_layout or a.layout or "HND",
         "requests": decode_summary.get("requests", 0),
@@ -252,7 +253,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     elif code == EXIT_USAGE:
         pass  # the child said what to change, in one line on stderr
     else:
-        kind = a.preset or a.config or ("MLA" if a.mla else f"{a.kv_heads} KV heads")
+        kind = a.preset or a.config or a.hf_config or ("MLA" if a.mla else f"{a.kv_heads} KV heads")
         status = "OK" if code == EXIT_OK else "FAILED"
         print(f"akv demo: prefill TP {a.prefill_tp} -> decode TP {a.decode_tp}, {kind}: {status}")
         print(

@@ -67,7 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a real model's cache groups (see akv prefill --help); shows every group and component",
     )
     p.add_argument("--config", metavar="FILE.json", help="a cache description in the schema of akv.CacheSpec")
-    p.add_argument("--layers", type=int, default=None, help="with --preset: scale to this many layers")
+    p.add_argument(
+        "--hf-config",
+        metavar="FILE.json",
+        help="a model's own Hugging Face config.json (see akv prefill --help)",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="with --preset or --hf-config: scale to this many layers"
+    )
     p.add_argument(
         "--request-key", type=int, default=0, help="request key, picks among replicas (default: %(default)s)"
     )

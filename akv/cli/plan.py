@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from akv import sharding
-from akv.cli.args import EXIT_OK, check, emit
+from akv.cli.args import EXIT_OK, check, described_by, emit
 from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec, as_cache
 
@@ -19,13 +19,10 @@ def _heads(r: range) -> str:
 
 def validate(a: argparse.Namespace) -> None:
     """The flags of ``akv plan`` ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
-    if a.preset or a.config:
-        check(not (a.preset and a.config), "--preset and --config exclude each other: give one")
+    described = described_by(a)
+    if described:
         given = [f for f, v in (("--kv-heads", a.kv_heads), ("--mla", a.mla)) if v]
-        check(
-            not given,
-            f"{'--preset' if a.preset else '--config'} describes the model: drop {', '.join(given)}",
-        )
+        check(not given, f"{described} describes the model: drop {', '.join(given)}")
         check(a.request_key >= 0, f"--request-key must be >= 0, got {a.request_key}")
         check(not (a.config and a.layers), "--layers scales a --preset: drop it with --config")
         cache = _cache(a)
@@ -102,7 +99,7 @@ def _groups_plan(a: argparse.Namespace) -> int:
             }
         )
         return EXIT_OK
-    name = a.preset or a.config
+    name = a.preset or a.config or a.hf_config
     kinds = ", ".join(f"{g.name} ({g.kind}) x{len(g.layers)}" for g in cache.groups)
     print(f"{name}: {kinds}; prefill TP {P} -> decode TP {D}, request key {key} (unit ranges inclusive)")
     for entry in decode:
@@ -124,7 +121,7 @@ def _groups_plan(a: argparse.Namespace) -> int:
 
 def cmd_plan(a: argparse.Namespace) -> int:
     validate(a)
-    if a.preset or a.config:
+    if described_by(a):
         return _groups_plan(a)
     P, D, H, mla = a.prefill_tp, a.decode_tp, (1 if a.mla else a.kv_heads), a.mla
     ranks = []
