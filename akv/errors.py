@@ -10,6 +10,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "DiscoveryError",
+    "EngineChangedError",
     "EtcdUnavailableError",
     "FrameError",
     "HandshakeError",
@@ -21,7 +22,9 @@ __all__ = [
     "OutsideExposureError",
     "PeerLostError",
     "ProtocolError",
+    "RefusedError",
     "ReleasedError",
+    "ServerBusyError",
     "TransferError",
     "TransferTimeout",
     "UnknownRequestError",
@@ -79,6 +82,26 @@ class IncompatiblePeerError(HandshakeError):
 
 class AuthenticationError(HandshakeError):
     """The peer did not prove knowledge of the shared secret (or we could not)."""
+
+
+class RefusedError(HandshakeError):
+    """The remote engine answered with a refusal (another engine, a registration it will not
+    take, a rank it does not serve...): trying again will not help."""
+
+
+class ServerBusyError(HandshakeError):
+    """The remote control server has no room for another connection now (retried within the
+    connect timeout before it is raised)."""
+
+
+class EngineChangedError(HandshakeError):
+    """A session re-linking to its engine found another engine (or another incarnation of it)
+    at the same address: its metadata is not adopted. ``field`` is ``engine_id`` or
+    ``instance_id``; connect again for a session to the new engine."""
+
+    def __init__(self, message: str, field: str = "instance_id") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class DiscoveryError(HandshakeError):

@@ -20,7 +20,16 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from akv.backends import mem_type
-from akv.errors import AkvError, ClosedError, ConfigError, HandshakeError, ProtocolError
+from akv.errors import (
+    AkvError,
+    AuthenticationError,
+    ClosedError,
+    ConfigError,
+    HandshakeError,
+    IncompatiblePeerError,
+    ProtocolError,
+    RefusedError,
+)
 from akv.exposure import ExposureTable
 from akv.geometry.cache import CacheSpec
 from akv.geometry.spec import KVSpec
@@ -204,21 +213,32 @@ class Producer(RankBase):
             tp_size=self.tp_size,
             endpoint=str(self.endpoint),
             compat=self.cache.compat_hash(),
+            spec=self.cache,
         )
         started, warned, delay = False, False, 0.1
         while True:
             try:
-                engine = await register_rank(bootstrap, msg, secret=self.server.secret)
-            except HandshakeError as exc:
-                refused = "refused" in str(exc)
-                if refused and not started:
-                    raise ConfigError(f"rank {self.tp_rank}: the bootstrap at {bootstrap} {exc}") from None
+                reply = await register_rank(bootstrap, msg, secret=self.server.secret)
+            except IncompatiblePeerError as exc:  # refusals are told apart by type, never by wording
+                if not started:
+                    raise IncompatiblePeerError(
+                        f"rank {self.tp_rank}: the bootstrap at {bootstrap}: {exc}", exc.fields
+                    ) from None
+                self._log.warning("the bootstrap refuses this rank", error=str(exc))
+                warned = True
+            except (RefusedError, AuthenticationError) as exc:
+                if not started:
+                    raise ConfigError(f"rank {self.tp_rank}: the bootstrap at {bootstrap}: {exc}") from None
+                self._log.warning("the bootstrap refuses this rank", error=str(exc))
+                warned = True
+            except HandshakeError as exc:  # unreachable, busy, timed out: try again
                 if not warned:
                     self._log.warning("cannot register with the bootstrap; retrying", error=str(exc))
                 warned = True
             else:
                 if not self._named:
-                    self.engine_id = engine
+                    self.engine_id = reply.engine_id
+                self.server.learned_instance = reply.instance_id
                 if warned:
                     self._log.info("registered with the bootstrap again", bootstrap=str(bootstrap))
                 warned, delay = False, REGISTER_EVERY_S

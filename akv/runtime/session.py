@@ -25,6 +25,7 @@ from akv.errors import (
     AkvError,
     ClosedError,
     ConfigError,
+    EngineChangedError,
     HandshakeError,
     IncompatiblePeerError,
     MissingRanksError,
@@ -216,6 +217,7 @@ class TransferSession:
         self.endpoint = str(address)
         self.log = consumer.log.bind(engine_address=self.endpoint)
         self.remote_engine_id = ""
+        self.remote_instance = ""  # the engine's incarnation (Challenge.instance_id), once known
         self.remote_spec: CacheSpec | None = None
         self.prefill_tp = 0
         self.lease_s = 0.0
@@ -336,7 +338,30 @@ class TransferSession:
                     f"the ranks at {addr} are not one engine: {ch.engine_id!r} of TP size {ch.tp_size} "
                     f"answered where {challenges[0].engine_id!r} of TP size {tp} was expected"
                 )
+        self._check_same_engine(challenges)
         return challenges[0], infos
+
+    def _check_same_engine(self, challenges: list[Challenge]) -> None:
+        """Refuse (before adopting any metadata) ranks of another engine, or of another
+        incarnation of it, than the one this session linked to first."""
+        ids = sorted({ch.instance_id for ch in challenges if ch.instance_id})
+        engine = challenges[0].engine_id
+        if len(ids) > 1:
+            raise HandshakeError(f"the ranks at {self.address} are not one engine: instances {ids}")
+        if self.remote_engine_id and engine != self.remote_engine_id:
+            raise EngineChangedError(
+                f"engine {engine!r} now answers at {self.address}, where this session linked to "
+                f"{self.remote_engine_id!r}: connect again for a session to it",
+                "engine_id",
+            )
+        if self.remote_instance and ids and ids[0] != self.remote_instance:
+            raise EngineChangedError(
+                f"engine {engine!r} at {self.address} was restarted (instance {ids[0]}, this session "
+                f"linked to instance {self.remote_instance}): connect again for a session to it",
+                "instance_id",
+            )
+        if ids:
+            self.remote_instance = ids[0]
 
     async def _from_bootstrap(
         self, bootstrap: Endpoint, ranks: set[int] | None
