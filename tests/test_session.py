@@ -222,3 +222,20 @@ async def test_unreachable_endpoint_is_a_handshake_error() -> None:
             await listener.aclose()
             with pytest.raises(akv.HandshakeError, match="cannot reach"):
                 await consumer.connect(f"127.0.0.1:{port}")
+
+
+async def test_two_sessions_to_one_engine_share_its_agent_safely() -> None:
+    """Two sessions of one consumer to one engine (two addresses of it) load one remote agent;
+    closing one leaves the other pulling bit-exact."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine, decode_engine(spec, 1, transfer_timeout=5) as (consumer,):
+        for i, rid in enumerate(("r1", "r2", "r3")):
+            engine.fill(rid, [2 * i + 1, 2 * i + 2], seed=i)
+        first = await consumer.connect(engine.endpoint)
+        second = await consumer.connect(engine.endpoint.replace("127.0.0.1", "localhost"))
+        assert first is not second and first.agents == second.agents
+        await (await first.pull("r1", [0, 1], [1, 2]))
+        await (await second.pull("r2", [2, 3], [3, 4]))
+        await first.aclose()
+        await (await second.pull("r3", [4, 5], [5, 6]))
+        assert verify(consumer, [4, 5], 2, range(2)) and verify(consumer, [2, 3], 1, range(2))

@@ -198,6 +198,7 @@ class RankLink:
     check: tuple[Any, int] | None = None  # (prepared exposure-table list, buckets)
     broken: bool = False
     loading: anyio.Event | None = None
+    dropped: bool = False  # its reference to the remote agent was given back
 
 
 class TransferSession:
@@ -509,7 +510,9 @@ class TransferSession:
         if backend is not None:
             if link.check is not None:
                 backend.release_dlist(link.check[0])
-            backend.remove_remote(link.agent)
+            if not link.dropped:  # one reference per link: the agent may serve other sessions
+                backend.remove_remote(link.agent)
+        link.dropped = True
         link.check = None
         link.broken = True
 
