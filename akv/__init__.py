@@ -26,6 +26,7 @@ from akv.errors import (
     AkvError,
     AuthenticationError,
     BackendError,
+    BackPressureError,
     BlockIdError,
     ClosedError,
     ConfigError,
@@ -117,6 +118,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AkvError",
     "AuthenticationError",
+    "BackPressureError",
     "BackendError",
     "BlockIdError",
     "CacheSpec",

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "AkvError",
     "AuthenticationError",
+    "BackPressureError",
     "BackendError",
     "BlockIdError",
     "ClosedError",
@@ -135,6 +136,12 @@ class TransferError(AkvError):
 
 class PeerLostError(TransferError):
     """The remote agent went away during or before a transfer; the session will re-handshake."""
+
+
+class BackPressureError(TransferError):
+    """A local resource of the consumer ran out for this pull (every exposure-check slot is in
+    use): only this pull failed, the links to the prefill engine are fine; pull again later,
+    or raise ``max_checks``."""
 
 
 class TransferTimeout(TransferError, TimeoutError):

@@ -239,3 +239,28 @@ async def test_two_sessions_to_one_engine_share_its_agent_safely() -> None:
         await first.aclose()
         await (await second.pull("r3", [4, 5], [5, 6]))
         assert verify(consumer, [4, 5], 2, range(2)) and verify(consumer, [2, 3], 1, range(2))
+
+
+async def test_exhausted_check_slots_are_back_pressure_not_a_broken_link() -> None:
+    """With one exposure-check slot and eight pulls at once, the pulls that find no slot fail
+    with BackPressureError; no rank is marked broken, and the next pulls succeed without a
+    new handshake."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine, decode_engine(spec, 1, max_checks=1) as (consumer,):
+        for i in range(10):
+            engine.fill(f"r{i}", [i + 1], seed=i)
+        session = await consumer.connect(engine.endpoint)
+        transfers = [await session.pull(f"r{i}", [i], [i + 1]) for i in range(8)]
+        outcomes = []
+        for t in transfers:
+            try:
+                await t
+                outcomes.append("ok")
+            except akv.TransferError as exc:
+                outcomes.append(type(exc).__name__)
+        assert "BackPressureError" in outcomes and set(outcomes) <= {"ok", "BackPressureError"}, outcomes
+        assert not session.broken
+        for i in (8, 9):
+            await (await session.pull(f"r{i}", [i], [i + 1]))
+            assert verify(consumer, [i], i, range(1))
+        assert consumer.metrics.counters["handshakes"] == 1

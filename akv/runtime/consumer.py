@@ -19,6 +19,7 @@ from akv.backends import DlistHandle, XferHandle, mem_type
 from akv.errors import (
     AkvError,
     BackendError,
+    BackPressureError,
     ClosedError,
     ConfigError,
     PeerLostError,
@@ -64,9 +65,11 @@ class CheckPool:
         return np.array([[self.array.ctypes.data, size, 0, size, len(self.array)]], dtype=np.int64)
 
     def acquire(self) -> int:
-        """A free slot; [`TransferError`][akv.errors.TransferError] if every one is in use."""
+        """A free slot; [`BackPressureError`][akv.errors.BackPressureError] if every one is in use."""
         if not self._free:
-            raise TransferError(f"{len(self.array)} exposure checks already in flight: raise max_checks")
+            raise BackPressureError(
+                f"{len(self.array)} exposure checks already in flight: pull again later, or raise max_checks"
+            )
         slot = self._free.pop()
         self.array[slot, :, 0] = 0
         return slot

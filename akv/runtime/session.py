@@ -23,6 +23,7 @@ import numpy.typing as npt
 from akv import exposure
 from akv.errors import (
     AkvError,
+    BackPressureError,
     ClosedError,
     ConfigError,
     EngineChangedError,
@@ -565,8 +566,10 @@ class TransferSession:
         clears that but a successful handshake). A rank that went away does not always show
         as PeerLostError (NIXL may just report the transfer in error), so any transfer error
         counts, except a timeout (the peer may only be slow, and a handshake with a hung peer
-        would just time out too) and a failed exposure check (the link is fine)."""
-        if not isinstance(error, TransferError) or isinstance(error, (TransferTimeout, UnsafeReadError)):
+        would just time out too), a failed exposure check and back-pressure (the link is fine)."""
+        if not isinstance(error, TransferError) or isinstance(
+            error, (TransferTimeout, UnsafeReadError, BackPressureError)
+        ):
             return
         for r, link in self.links.items():
             if rank is None or r == rank:
