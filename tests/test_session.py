@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import pytest
 
 import akv
+from akv.backends import XferHandle, XferState
+from akv.backends.nixl import NixlBackend
 from tests.conftest import decode_engine, make_spec, prefill_engine, verify, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -264,3 +268,39 @@ async def test_exhausted_check_slots_are_back_pressure_not_a_broken_link() -> No
             await (await session.pull(f"r{i}", [i], [i + 1]))
             assert verify(consumer, [i], i, range(1))
         assert consumer.metrics.counters["handshakes"] == 1
+
+
+class HeldBackend(NixlBackend):
+    """The real backend, reporting every transfer as still running until ``hold_until``."""
+
+    hold_until = 0.0
+
+    def state(self, handle: XferHandle) -> XferState:
+        if time.monotonic() < self.hold_until:
+            return "PROC"
+        return super().state(handle)
+
+
+async def test_heartbeats_renew_with_the_exposures_own_lease() -> None:
+    """A request exposed with a 0.4 s lease (the engine's default: 30 s) whose pull takes
+    1.5 s stays pinned: the consumer heartbeats every third of the exposure's own lease, the
+    pull verifies and the request is released by read, not by lease."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1, lease=30) as engine:
+        backend = HeldBackend("held-d0")
+        kv = akv.allocate_kv_cache(spec, 0, 1)
+        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend) as consumer:
+            session = await consumer.connect(engine.endpoint)
+            engine.fill("r", [1, 2], seed=4, lease=0.4)
+            backend.hold_until = time.monotonic() + 1.5
+            request = akv.PullRequest(
+                request_id="r", local_block_ids=[0, 1], remote_block_ids=[1, 2], lease_s=0.4
+            )
+            await (await session.pull(request))
+            assert verify(consumer, [0, 1], 4, range(2))
+            await wait_for(lambda: engine.releases)
+            assert [r.reason for r in engine.releases] == ["read"]
+            with pytest.raises(akv.ConfigError, match="lease_s"):
+                await session.pull(
+                    akv.PullRequest(request_id="r", local_block_ids=[0], remote_block_ids=[1], lease_s=0)
+                )

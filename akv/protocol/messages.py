@@ -177,6 +177,7 @@ class RequestInfo(msgspec.Struct, frozen=True, kw_only=True):
     )
     seed: int = 0
     num_tokens: int = 0  # 0: the blocks are full
+    lease_s: float = 0.0  # the lease it was exposed with (0: the engine's default)
 
 
 class ListRequests(_Msg, frozen=True, tag=True, kw_only=True):

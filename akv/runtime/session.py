@@ -76,12 +76,16 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
         num_tokens: the request's tokens (> 0). Default: every listed block is full and read
             whole. Give it when the last block is partly filled and the engines' block sizes
             differ, and for sliding-window groups to read only the window's blocks.
+        lease_s: the lease the request was exposed with (``RequestInfo.lease_s``, the
+            ``lease`` given to ``expose``): while the pull runs, the consumer renews it every
+            third of it. Default: the prefill engine's default lease.
     """
 
     request_id: str
     local_block_ids: Sequence[int] | npt.NDArray[np.integer[Any]] | Mapping[str, Sequence[int]]
     remote_block_ids: Sequence[int] | npt.NDArray[np.integer[Any]] | Mapping[str, Sequence[int]]
     num_tokens: int | None = None
+    lease_s: float | None = None
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -613,6 +617,8 @@ class TransferSession:
         c = self.consumer
         if not isinstance(request.request_id, str) or not request.request_id:
             raise ConfigError(f"request_id must be a non-empty string, got {request.request_id!r}")
+        if request.lease_s is not None and not 0 < request.lease_s < float("inf"):
+            raise ConfigError(f"lease_s must be a finite number of seconds > 0, got {request.lease_s}")
         if self.closed or c.closed:
             raise ClosedError("the session is closed")
         if self.plan is None:
@@ -630,7 +636,8 @@ class TransferSession:
         )
         notice = self.done_notice(request.request_id, prepared.remote_ids)
         timeout = c.transfer_timeout if transfer_timeout is None else transfer_timeout
-        heartbeat = self.lease_s / 3 if self.lease_s > 0 else 0.0
+        lease = request.lease_s if request.lease_s else self.lease_s  # the exposure's own lease
+        heartbeat = lease / 3 if lease > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
         transfer = Transfer(self, request.request_id, prepared, notice, state)
         if prepared.posts:
