@@ -23,6 +23,7 @@ __all__ = [
     "OutsideExposureError",
     "PeerLostError",
     "ProtocolError",
+    "ReexposedError",
     "RefusedError",
     "ReleasedError",
     "ServerBusyError",
@@ -172,6 +173,11 @@ class OutsideExposureError(UnsafeReadError):
 
 class LeaseExpiredError(UnsafeReadError):
     """The request's lease ran out and its blocks were released before the reads completed."""
+
+
+class ReexposedError(UnsafeReadError):
+    """The request was released and exposed again (another generation) since the pull
+    started: the bytes read may belong to the new exposure."""
 
 
 class ReleasedError(UnsafeReadError):

@@ -304,3 +304,31 @@ async def test_heartbeats_renew_with_the_exposures_own_lease() -> None:
                 await session.pull(
                     akv.PullRequest(request_id="r", local_block_ids=[0], remote_block_ids=[1], lease_s=0)
                 )
+
+
+async def test_a_pull_is_bound_to_the_exposure_it_started_under() -> None:
+    """A pull started under an exposure with a short lease, which expired and was exposed
+    again on the same blocks with new contents before the reads completed, fails with
+    ReexposedError; its notice does not release the new exposure, which a pull bound to the
+    new generation then reads bit-exact."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1, lease=30) as engine:
+        backend = HeldBackend("held-gen-d0")
+        kv = akv.allocate_kv_cache(spec, 0, 1)
+        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend) as consumer:
+            session = await consumer.connect(engine.endpoint)
+            old = engine.fill("r", [1, 2], seed=1, lease=0.2)
+            backend.hold_until = time.monotonic() + 1.0
+            ids = {"local_block_ids": [0, 1], "remote_block_ids": [1, 2]}
+            stale = await session.pull(akv.PullRequest(request_id="r", generation=old, **ids))
+            await wait_for(lambda: [r.reason for r in engine.releases] == ["expired"])
+            new = engine.fill("r", [1, 2], seed=2)  # the same id and blocks, other contents
+            assert new != old
+            with pytest.raises(akv.ReexposedError):
+                await stale
+            await anyio.sleep(0.2)  # the stale reader's notice has arrived by now
+            assert [r.reason for r in engine.releases] == ["expired"]
+            assert engine.producers[0].metrics.counters["notifications_invalid"] >= 1
+            await (await session.pull(akv.PullRequest(request_id="r", generation=new, **ids)))
+            assert verify(consumer, [0, 1], 2, range(2))
+            await wait_for(lambda: [r.reason for r in engine.releases] == ["expired", "read"])

@@ -178,6 +178,7 @@ class RequestInfo(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     num_tokens: int = 0  # 0: the blocks are full
     lease_s: float = 0.0  # the lease it was exposed with (0: the engine's default)
+    generation: int = 0  # the exposure's generation (Producer.expose's return; 0: unknown)
 
 
 class ListRequests(_Msg, frozen=True, tag=True, kw_only=True):
@@ -285,9 +286,10 @@ class Notice(msgspec.Struct, frozen=True, array_like=True):
     decode_rank: TpRank
     decode_tp: TpSize
     request_ids: Annotated[list[Name], msgspec.Meta(max_length=MAX_LIST)]
-    digests: Annotated[
-        list[int], msgspec.Meta(max_length=MAX_LIST)
-    ] = []  # "done": the digest of each request's block ids (akv.exposure.digest)
+    # "done": the digest of each request's block ids (akv.exposure.digest)
+    digests: Annotated[list[int], msgspec.Meta(max_length=MAX_LIST)] = []
+    # "done": the exposure generation each reader started under (0: not bound to one)
+    generations: Annotated[list[int], msgspec.Meta(max_length=MAX_LIST)] = []
 
 
 _notice_decoder = msgspec.msgpack.Decoder(Notice)

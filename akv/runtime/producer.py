@@ -304,14 +304,24 @@ class Producer(RankBase):
         block_ids: Sequence[int] | npt.ArrayLike | Mapping[str, Sequence[int]],
         *,
         lease: float | None = None,
-    ) -> None:
-        """Pin a request's blocks until read by every expected decode rank or the lease ends.
+        generation: int | None = None,
+    ) -> int:
+        """Pin a request's blocks until read by every expected decode rank or the lease ends;
+        returns the exposure's generation.
+
+        The generation tells this exposure apart from any other of the same request id (one
+        after a release or a lease expiry, one by a restarted rank): a pull given it
+        (``PullRequest.generation``) fails with [`ReexposedError`][akv.errors.ReexposedError]
+        if the request was exposed again before its reads completed, and its notice does not
+        count as a read of the new exposure.
 
         Args:
             request_id: the request's id, unique among this rank's exposed requests.
             block_ids: the blocks holding its KV on this rank (at least one): a flat list for
                 a one-group cache, else ``{group name: ids}`` (state groups: one slot).
             lease: seconds it stays pinned without being read (default: the producer's).
+            generation: the generation to use, in ``[1, 2**31)``, for an engine that announces
+                one generation for all its ranks (default: this rank's next).
 
         Raises:
             BlockIdError: bad block ids, or none: a request with nothing to pull needs no
@@ -322,8 +332,9 @@ class Producer(RankBase):
         if not self.running:
             raise ClosedError("the producer is not running")
         ids = self.cache.flatten(self.cache.per_group(block_ids, f"request {request_id!r}"))
-        self.ledger.expose(request_id, ids, time.monotonic(), lease)
+        generation = self.ledger.expose(request_id, ids, time.monotonic(), lease, generation)
         self._backoff.wake()
+        return generation
 
     def extend(self, request_id: str, seconds: float | None = None) -> None:
         """Push the lease deadline of ``request_id`` to now + ``seconds`` (default: its lease)."""

@@ -79,6 +79,11 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
         lease_s: the lease the request was exposed with (``RequestInfo.lease_s``, the
             ``lease`` given to ``expose``): while the pull runs, the consumer renews it every
             third of it. Default: the prefill engine's default lease.
+        generation: the exposure's generation (``RequestInfo.generation``, what ``expose``
+            returned; with several prefill ranks, one the engine passed to every rank's
+            ``expose``): the pull is bound to that exposure and fails with
+            [`ReexposedError`][akv.errors.ReexposedError] if the request was released and
+            exposed again before its reads completed. 0: not bound to a generation.
     """
 
     request_id: str
@@ -86,6 +91,7 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_ids: Sequence[int] | npt.NDArray[np.integer[Any]] | Mapping[str, Sequence[int]]
     num_tokens: int | None = None
     lease_s: float | None = None
+    generation: int = 0
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -131,6 +137,7 @@ class Transfer:
         self.notice = notice  # the "done" notice
         self.state = state
         self.check_slots: dict[int, int] = {}  # prefill rank -> slot of the check pool
+        self.generation = 0  # the exposure generation the pull is bound to (0: none)
         self._event: anyio.Event | None = None  # created only if someone waits unfinished
         self._result: TransferResult | None = None
         self._error: AkvError | None = None
@@ -634,12 +641,13 @@ class TransferSession:
         prepared = plan.prepare(
             request.request_id, request.local_block_ids, request.remote_block_ids, request.num_tokens
         )
-        notice = self.done_notice(request.request_id, prepared.remote_ids)
+        notice = self.done_notice(request.request_id, prepared.remote_ids, request.generation)
         timeout = c.transfer_timeout if transfer_timeout is None else transfer_timeout
         lease = request.lease_s if request.lease_s else self.lease_s  # the exposure's own lease
         heartbeat = lease / 3 if lease > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
         transfer = Transfer(self, request.request_id, prepared, notice, state)
+        transfer.generation = request.generation
         if prepared.posts:
             # With the exposure check, the notice rides on the check read (after the data).
             self._post(transfer, prepared.posts, b"" if c.verify_exposure else notice)
@@ -647,12 +655,12 @@ class TransferSession:
         c.track(transfer)
         return transfer
 
-    def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32]) -> bytes:
-        """The "done" notice of a request, with the digest of its prefill block ids."""
+    def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32], generation: int = 0) -> bytes:
+        """The "done" notice of a request, with the digest of its prefill block ids (and the
+        exposure generation the pull is bound to)."""
         c = self.consumer
-        return encode_notice(
-            Notice("done", c.engine_id, c.tp_rank, c.tp_size, [request_id], [exposure.digest(remote_all)])
-        )
+        digest, gens = [exposure.digest(remote_all)], [generation] if generation else []
+        return encode_notice(Notice("done", c.engine_id, c.tp_rank, c.tp_size, [request_id], digest, gens))
 
     def _post(
         self,
@@ -706,6 +714,7 @@ class TransferSession:
                 transfer.remote_ids,
                 prefill_rank=rank,
                 read_ids=transfer.read_ids,
+                generation=transfer.generation,
             )
             if error is not None:
                 return error
