@@ -5,11 +5,13 @@ from __future__ import annotations
 __all__ = [
     "AkvError",
     "AuthenticationError",
+    "BackPressureError",
     "BackendError",
     "BlockIdError",
     "ClosedError",
     "ConfigError",
     "DiscoveryError",
+    "EngineChangedError",
     "EtcdUnavailableError",
     "FrameError",
     "HandshakeError",
@@ -21,7 +23,10 @@ __all__ = [
     "OutsideExposureError",
     "PeerLostError",
     "ProtocolError",
+    "ReexposedError",
+    "RefusedError",
     "ReleasedError",
+    "ServerBusyError",
     "TransferError",
     "TransferTimeout",
     "UnknownRequestError",
@@ -81,6 +86,26 @@ class AuthenticationError(HandshakeError):
     """The peer did not prove knowledge of the shared secret (or we could not)."""
 
 
+class RefusedError(HandshakeError):
+    """The remote engine answered with a refusal (another engine, a registration it will not
+    take, a rank it does not serve...): trying again will not help."""
+
+
+class ServerBusyError(HandshakeError):
+    """The remote control server has no room for another connection now (retried within the
+    connect timeout before it is raised)."""
+
+
+class EngineChangedError(HandshakeError):
+    """A session re-linking to its engine found another engine (or another incarnation of it)
+    at the same address: its metadata is not adopted. ``field`` is ``engine_id`` or
+    ``instance_id``; connect again for a session to the new engine."""
+
+    def __init__(self, message: str, field: str = "instance_id") -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class DiscoveryError(HandshakeError):
     """The ranks of a remote engine could not be found (etcd discovery)."""
 
@@ -114,6 +139,12 @@ class PeerLostError(TransferError):
     """The remote agent went away during or before a transfer; the session will re-handshake."""
 
 
+class BackPressureError(TransferError):
+    """A local resource of the consumer ran out for this pull (every exposure-check slot is in
+    use): only this pull failed, the links to the prefill engine are fine; pull again later,
+    or raise ``max_checks``."""
+
+
 class TransferTimeout(TransferError, TimeoutError):
     """A transfer did not complete within its deadline (for example a hung peer)."""
 
@@ -142,6 +173,11 @@ class OutsideExposureError(UnsafeReadError):
 
 class LeaseExpiredError(UnsafeReadError):
     """The request's lease ran out and its blocks were released before the reads completed."""
+
+
+class ReexposedError(UnsafeReadError):
+    """The request was released and exposed again (another generation) since the pull
+    started: the bytes read may belong to the new exposure."""
 
 
 class ReleasedError(UnsafeReadError):

@@ -2,12 +2,15 @@
 for its request when its reads completed (pure; numpy only).
 
 Each prefill rank keeps a small *exposure table* in registered host memory: ``buckets``
-buckets of ``SLOTS`` slots, a slot being three int64 words ``(token, digest, nblocks)``:
+buckets of ``SLOTS`` slots, a slot being three int64 words ``(token, digest, nblocks | generation << 32)``:
 
 * ``token = hash47(request_id) << 16 | state`` (0: an empty slot), where ``state`` is
   :data:`EXPOSED` while the request is pinned and becomes :data:`RELEASED_READ`,
   :data:`RELEASED_EXPIRED` or :data:`RELEASED_CLOSED` *before* its blocks are handed back;
-* ``digest`` and ``nblocks`` fingerprint the exposed block ids.
+* ``digest`` and ``nblocks`` fingerprint the exposed block ids;
+* ``generation`` (31 bits, never 0) tells this exposure of the request from any other one:
+  a request id exposed again after a release, or by a restarted rank, gets another, so a
+  reader bound to the generation it started under never accepts a later exposure.
 
 A request lives in bucket ``hash47 % buckets``. After its data reads complete, a decode rank
 reads that one bucket (one small READ, which also carries its "done" notice, so the prefill
@@ -30,12 +33,14 @@ from akv.errors import (
     LeaseExpiredError,
     NotExposedError,
     OutsideExposureError,
+    ReexposedError,
     ReleasedError,
     UnsafeReadError,
 )
 
 __all__ = [
     "EXPOSED",
+    "GENERATION_MASK",
     "RELEASED_CLOSED",
     "RELEASED_EXPIRED",
     "RELEASED_READ",
@@ -52,6 +57,8 @@ SLOTS = 16
 #: int64 words per slot: token, digest, nblocks.
 SLOT_WORDS = 3
 EXPOSED, RELEASED_READ, RELEASED_EXPIRED, RELEASED_CLOSED = 1, 2, 3, 4
+#: Generations are 31-bit (they share a word with the block count).
+GENERATION_MASK = (1 << 31) - 1
 _STATE_OF_REASON = {"read": RELEASED_READ, "expired": RELEASED_EXPIRED, "closed": RELEASED_CLOSED}
 
 
@@ -85,7 +92,7 @@ class ExposureTable:
         """The bucket a request lives in."""
         return request_hash(request_id) % self.buckets
 
-    def publish(self, request_id: str, block_ids: npt.NDArray[np.int32]) -> None:
+    def publish(self, request_id: str, block_ids: npt.NDArray[np.int32], generation: int = 0) -> None:
         """Record an exposure (state EXPOSED). Raises :class:`ConfigError` if its bucket is full."""
         h = request_hash(request_id)
         rows = self.array[h % self.buckets]
@@ -106,7 +113,7 @@ class ExposureTable:
         # Fingerprint first, token last: a reader never sees EXPOSED with a stale fingerprint.
         slot[0] = 0
         slot[1] = digest(block_ids)
-        slot[2] = block_ids.size
+        slot[2] = block_ids.size | (generation & GENERATION_MASK) << 32
         slot[0] = (h << 16) | EXPOSED
 
     def retire(self, request_id: str, reason: str) -> None:
@@ -129,9 +136,11 @@ def verify(
     *,
     prefill_rank: int,
     read_ids: Sequence[int] | npt.NDArray[Any] = (),
+    generation: int = 0,
 ) -> UnsafeReadError | None:
     """Check a bucket read after the data reads: None if ``request_id`` is exposed with exactly
-    ``block_ids``; else the typed error saying why the bytes cannot be trusted."""
+    ``block_ids`` (and, given a ``generation``, is still that exposure); else the typed error
+    saying why the bytes cannot be trusted."""
     rows = np.asarray(bucket, dtype=np.int64).reshape(SLOTS, SLOT_WORDS)
     h = request_hash(request_id)
     mine = rows[(rows[:, 0] >> 16) == h]
@@ -143,8 +152,16 @@ def verify(
             prefill_rank=prefill_rank,
             block_ids=_ids(read_ids),
         )
-    token, fp, n = (int(x) for x in mine[0])
+    token, fp, word = (int(x) for x in mine[0])
+    n, gen = word & 0xFFFFFFFF, word >> 32
     state = token & 0xFFFF
+    if generation and gen != generation & GENERATION_MASK:
+        return ReexposedError(
+            f"{where} was released and exposed again (generation {gen}, this pull started under "
+            f"{generation & GENERATION_MASK}): the blocks read may hold the new exposure's KV",
+            prefill_rank=prefill_rank,
+            block_ids=_ids(read_ids),
+        )
     if state == RELEASED_EXPIRED:
         return LeaseExpiredError(
             f"{where} was released by lease before the reads completed: raise the lease, or pull sooner",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from akv.errors import BlockIdError, ConfigError, UnknownRequestError
-from akv.exposure import ExposureTable, digest
+from akv.exposure import GENERATION_MASK, ExposureTable, digest
 from akv.plan import check_block_ids
 from akv.protocol.messages import Notice
 
@@ -57,6 +58,7 @@ class _Exposure:
     digest: int
     lease_s: float
     deadline: float
+    generation: int = 0
     readers: dict[str, set[int]] = field(default_factory=dict)  # decode engine -> ranks
     decode_tp: dict[str, int] = field(default_factory=dict)
 
@@ -91,6 +93,8 @@ class ReleaseLedger:
         self.counters: dict[str, int] = {}
         self._on_count = count
         self._split = split
+        # Generations start at a random point, so a restarted rank does not repeat them.
+        self._generation = secrets.randbelow(GENERATION_MASK)
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -111,11 +115,14 @@ class ReleaseLedger:
         block_ids: Sequence[int] | npt.ArrayLike,
         now: float,
         lease: float | None = None,
-    ) -> None:
-        """Pin a request's blocks until read or ``now + lease``.
+        generation: int | None = None,
+    ) -> int:
+        """Pin a request's blocks until read or ``now + lease``; returns the exposure's
+        generation (``generation`` if given, e.g. one an engine uses on all its ranks, else
+        the next of this ledger's).
 
         Raises :class:`BlockIdError` for bad or no ids, :class:`ConfigError` for a request
-        already exposed or a bad lease.
+        already exposed, a bad lease or a generation outside ``[1, 2**31)``.
         """
         ids = check_block_ids(block_ids, self.num_blocks, f"request {request_id!r}")
         if ids.size == 0:
@@ -123,11 +130,17 @@ class ReleaseLedger:
         if request_id in self._exposed:
             raise ConfigError(f"request {request_id!r} is already exposed")
         lease_s = self.lease_s if lease is None else check_lease(lease)
-        self.table.publish(request_id, ids)
+        if generation is None:
+            self._generation = self._generation % GENERATION_MASK + 1
+            generation = self._generation
+        elif not 0 < generation <= GENERATION_MASK:
+            raise ConfigError(f"generation must be in [1, 2**31), got {generation}")
+        self.table.publish(request_id, ids, generation)
         deadline = now + lease_s
-        self._exposed[request_id] = _Exposure(ids, digest(ids), lease_s, deadline)
+        self._exposed[request_id] = _Exposure(ids, digest(ids), lease_s, deadline, generation)
         heapq.heappush(self._deadlines, (deadline, request_id))
         self._count("exposed")
+        return generation
 
     def extend(self, request_id: str, now: float, seconds: float | None = None) -> None:
         """Push a request's deadline to ``now + seconds`` (default: its lease)."""
@@ -159,7 +172,7 @@ class ReleaseLedger:
             self._count("notifications_invalid")
             return []
         out: list[Release] = []
-        digests = notice.digests
+        digests, generations = notice.digests, notice.generations
         for i, rid in enumerate(notice.request_ids):
             exp = self._exposed.get(rid)
             if exp is None:
@@ -167,6 +180,10 @@ class ReleaseLedger:
                 continue
             if notice.kind == "extend":
                 self.extend(rid, now)
+                continue
+            if i < len(generations) and generations[i] and generations[i] != exp.generation:
+                # A reader of an earlier exposure of this request id: it does not count here.
+                self._count("notifications_invalid")
                 continue
             if i >= len(digests) or digests[i] != exp.digest:
                 # Blocks other than the exposed ones were read: this reader does not count.

@@ -94,14 +94,17 @@ class Engine:
     def endpoint(self) -> str:
         return str(self.server.endpoint)
 
-    def fill(self, request_id: str, block_ids: Sequence[int], seed: int, lease: float | None = None) -> None:
+    def fill(self, request_id: str, block_ids: Sequence[int], seed: int, lease: float | None = None) -> int:
+        """Write a request's blocks on every rank and expose them; returns rank 0's generation."""
+        generations = []
         for p in self.producers:
             for region, t in enumerate(p.kv_caches):
                 view = t.view(torch.uint8).view(self.spec.num_blocks, -1)
                 view[list(block_ids)] = torch.from_numpy(
                     expected_blocks(self.spec, p.tp_rank, p.tp_size, region, seed, np.arange(len(block_ids)))
                 )
-            p.expose(request_id, block_ids, lease=lease)
+            generations.append(p.expose(request_id, block_ids, lease=lease))
+        return generations[0]
 
 
 def make_spec(kv_heads: int = 4, mla: bool = False, **kw: object) -> akv.KVSpec:

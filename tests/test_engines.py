@@ -159,17 +159,19 @@ async def test_rank_not_registered_is_a_typed_error_naming_it() -> None:
 
 
 async def test_registration_with_another_engine_shape_is_refused_at_start() -> None:
-    """A rank registering with a bootstrap of another TP size fails at start with ConfigError."""
+    """A rank registering with a bootstrap of another TP size fails at start with
+    IncompatiblePeerError naming ``tp_size``."""
     spec = make_spec(kv_heads=4)
     async with AsyncExitStack() as stack:
         boot = await stack.enter_async_context(
             akv.Producer(akv.allocate_kv_cache(spec, 0, 2), spec, tp_rank=0, tp_size=2)
         )
-        with pytest.raises(akv.ConfigError, match="TP size 4"):
+        with pytest.raises(akv.IncompatiblePeerError, match="tp_size 4") as info:
             async with akv.Producer(
                 akv.allocate_kv_cache(spec, 1, 4), spec, tp_rank=1, tp_size=4, bootstrap=str(boot.endpoint)
             ):
                 pass
+        assert info.value.fields == ("tp_size",)
 
 
 async def test_notices_are_bound_to_the_agent_that_handshook() -> None:

@@ -50,11 +50,12 @@ def start_prefill(*extra: str, env: dict[str, str] | None = None) -> tuple[subpr
 async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """SIGKILL mid-transfer: its pulls fail typed within 2 s, another peer's succeed, and a
-    restarted peer on the same endpoint is re-handshaken with fresh agent metadata."""
+    """SIGKILL mid-transfer: its pulls fail typed within 2 s, another peer's succeed; another
+    engine, or the same engine restarted, on the same endpoint is refused by the old session
+    (EngineChangedError naming the field), and a new session to it gets fresh agent metadata."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     spec = big_spec()
-    victim, ep_a = start_prefill(env=TCP)
+    victim, ep_a = start_prefill(env=TCP)  # engine id "prefill", the CLI's default
     other, ep_b = start_prefill("--seed", "1", env=TCP)
     try:
         reqs_a = await fetch_requests(ep_a, spec, None, "t")
@@ -88,11 +89,26 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
                 assert verify(consumer, list(range(128 + i * 16, 144 + i * 16)), reqs_b[i].seed, range(16))
             victim.wait(5)
             port = ep_a.rsplit(":", 1)[1]
-            reborn, _ = start_prefill("--port", port, env=TCP)
+            r = reqs_a[7]
+            # Another engine at the same address (other contents), then the same engine name
+            # restarted: the old session refuses both, typed, and adopts nothing of them.
+            for extra, field in (
+                (("--engine-id", "engine-b", "--seed", "5"), "engine_id"),
+                ((), "instance_id"),
+            ):
+                reborn, _ = start_prefill("--port", port, *extra, env=TCP)
+                try:
+                    with pytest.raises(akv.EngineChangedError) as info:
+                        await (await sa.pull(r.request_id, list(range(16)), r.block_ids))
+                    assert info.value.field == field and sa.agents[0] == old_agent
+                finally:
+                    if field == "engine_id":
+                        stop(reborn)
             try:
-                r = reqs_a[7]
-                await (await sa.pull(r.request_id, list(range(16)), r.block_ids))
-                assert sa.agents[0] != old_agent  # new agent: stale metadata was dropped
+                await sa.aclose()
+                fresh = await consumer.connect(ep_a)  # a new session to the restarted engine
+                await (await fresh.pull(r.request_id, list(range(16)), r.block_ids))
+                assert fresh.agents[0] != old_agent  # new agent: stale metadata was dropped
                 assert verify(consumer, list(range(16)), r.seed, range(16))
             finally:
                 stop(reborn)

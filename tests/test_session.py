@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import pytest
 
 import akv
+from akv.backends import XferHandle, XferState
+from akv.backends.nixl import NixlBackend
 from tests.conftest import decode_engine, make_spec, prefill_engine, verify, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -222,3 +226,109 @@ async def test_unreachable_endpoint_is_a_handshake_error() -> None:
             await listener.aclose()
             with pytest.raises(akv.HandshakeError, match="cannot reach"):
                 await consumer.connect(f"127.0.0.1:{port}")
+
+
+async def test_two_sessions_to_one_engine_share_its_agent_safely() -> None:
+    """Two sessions of one consumer to one engine (two addresses of it) load one remote agent;
+    closing one leaves the other pulling bit-exact."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine, decode_engine(spec, 1, transfer_timeout=5) as (consumer,):
+        for i, rid in enumerate(("r1", "r2", "r3")):
+            engine.fill(rid, [2 * i + 1, 2 * i + 2], seed=i)
+        first = await consumer.connect(engine.endpoint)
+        second = await consumer.connect(engine.endpoint.replace("127.0.0.1", "localhost"))
+        assert first is not second and first.agents == second.agents
+        await (await first.pull("r1", [0, 1], [1, 2]))
+        await (await second.pull("r2", [2, 3], [3, 4]))
+        await first.aclose()
+        await (await second.pull("r3", [4, 5], [5, 6]))
+        assert verify(consumer, [4, 5], 2, range(2)) and verify(consumer, [2, 3], 1, range(2))
+
+
+async def test_exhausted_check_slots_are_back_pressure_not_a_broken_link() -> None:
+    """With one exposure-check slot and eight pulls at once, the pulls that find no slot fail
+    with BackPressureError; no rank is marked broken, and the next pulls succeed without a
+    new handshake."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine, decode_engine(spec, 1, max_checks=1) as (consumer,):
+        for i in range(10):
+            engine.fill(f"r{i}", [i + 1], seed=i)
+        session = await consumer.connect(engine.endpoint)
+        transfers = [await session.pull(f"r{i}", [i], [i + 1]) for i in range(8)]
+        outcomes = []
+        for t in transfers:
+            try:
+                await t
+                outcomes.append("ok")
+            except akv.TransferError as exc:
+                outcomes.append(type(exc).__name__)
+        assert "BackPressureError" in outcomes and set(outcomes) <= {"ok", "BackPressureError"}, outcomes
+        assert not session.broken
+        for i in (8, 9):
+            await (await session.pull(f"r{i}", [i], [i + 1]))
+            assert verify(consumer, [i], i, range(1))
+        assert consumer.metrics.counters["handshakes"] == 1
+
+
+class HeldBackend(NixlBackend):
+    """The real backend, reporting every transfer as still running until ``hold_until``."""
+
+    hold_until = 0.0
+
+    def state(self, handle: XferHandle) -> XferState:
+        if time.monotonic() < self.hold_until:
+            return "PROC"
+        return super().state(handle)
+
+
+async def test_heartbeats_renew_with_the_exposures_own_lease() -> None:
+    """A request exposed with a 0.4 s lease (the engine's default: 30 s) whose pull takes
+    1.5 s stays pinned: the consumer heartbeats every third of the exposure's own lease, the
+    pull verifies and the request is released by read, not by lease."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1, lease=30) as engine:
+        backend = HeldBackend("held-d0")
+        kv = akv.allocate_kv_cache(spec, 0, 1)
+        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend) as consumer:
+            session = await consumer.connect(engine.endpoint)
+            engine.fill("r", [1, 2], seed=4, lease=0.4)
+            backend.hold_until = time.monotonic() + 1.5
+            request = akv.PullRequest(
+                request_id="r", local_block_ids=[0, 1], remote_block_ids=[1, 2], lease_s=0.4
+            )
+            await (await session.pull(request))
+            assert verify(consumer, [0, 1], 4, range(2))
+            await wait_for(lambda: engine.releases)
+            assert [r.reason for r in engine.releases] == ["read"]
+            with pytest.raises(akv.ConfigError, match="lease_s"):
+                await session.pull(
+                    akv.PullRequest(request_id="r", local_block_ids=[0], remote_block_ids=[1], lease_s=0)
+                )
+
+
+async def test_a_pull_is_bound_to_the_exposure_it_started_under() -> None:
+    """A pull started under an exposure with a short lease, which expired and was exposed
+    again on the same blocks with new contents before the reads completed, fails with
+    ReexposedError; its notice does not release the new exposure, which a pull bound to the
+    new generation then reads bit-exact."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1, lease=30) as engine:
+        backend = HeldBackend("held-gen-d0")
+        kv = akv.allocate_kv_cache(spec, 0, 1)
+        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend) as consumer:
+            session = await consumer.connect(engine.endpoint)
+            old = engine.fill("r", [1, 2], seed=1, lease=0.2)
+            backend.hold_until = time.monotonic() + 1.0
+            ids = {"local_block_ids": [0, 1], "remote_block_ids": [1, 2]}
+            stale = await session.pull(akv.PullRequest(request_id="r", generation=old, **ids))
+            await wait_for(lambda: [r.reason for r in engine.releases] == ["expired"])
+            new = engine.fill("r", [1, 2], seed=2)  # the same id and blocks, other contents
+            assert new != old
+            with pytest.raises(akv.ReexposedError):
+                await stale
+            await anyio.sleep(0.2)  # the stale reader's notice has arrived by now
+            assert [r.reason for r in engine.releases] == ["expired"]
+            assert engine.producers[0].metrics.counters["notifications_invalid"] >= 1
+            await (await session.pull(akv.PullRequest(request_id="r", generation=new, **ids)))
+            assert verify(consumer, [0, 1], 2, range(2))
+            await wait_for(lambda: [r.reason for r in engine.releases] == ["expired", "read"])

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from akv.errors import AkvError, FrameError
 from akv.geometry.spec import KVSpec
-from akv.protocol.handshake import ServerConversation
-from akv.protocol.handshake import mac as _mac
+from akv.protocol.handshake import ServerConversation, Transcript
 from akv.protocol.messages import (
+    PROTOCOL_VERSION,
     Challenge,
     Error,
     FrameBuffer,
@@ -25,6 +25,7 @@ from akv.protocol.messages import (
     RankInfo,
     decode_message,
     decode_notice,
+    encode_body,
     encode_frame,
     encode_notice,
 )
@@ -95,7 +96,7 @@ any_message = st.one_of(
     st.builds(hello, engine_id=st.text(max_size=5), tp_rank=st.integers(-2, 4), tp_size=st.integers(-1, 4)),
     st.builds(MetadataRequest, ranks=st.lists(st.integers(-1, 3), max_size=3), mac=st.binary(max_size=32)),
     st.builds(Error, code=st.just("protocol"), message=st.text(max_size=5)),
-    st.just(msgspec.msgpack.encode({"type": "Hello", "v": 2})),
+    st.just(msgspec.msgpack.encode({"type": "Hello", "v": PROTOCOL_VERSION})),
     st.binary(max_size=40),
 )
 
@@ -131,8 +132,11 @@ def test_conversation_happy_path_and_mac_check() -> None:
     (err,), done = conv.receive(MetadataRequest(ranks=[0], mac=b"x" * 32))
     assert isinstance(err, Error) and err.code == "auth" and done
     conv = ServerConversation({0: rank}, b"k")
+    transcript = Transcript()
+    transcript.add(b"c", encode_body(hello()))
     (challenge,), _ = conv.receive(hello())
-    mac = _mac(b"k", b"akv-client", challenge.nonce, b"n" * 16, b"d")
+    transcript.add(b"s", encode_body(challenge))
+    mac = transcript.mac(b"k", b"akv-client", b"c", MetadataRequest(ranks=[0]))
     (meta,), done = conv.receive(MetadataRequest(ranks=[0], mac=mac))
     assert isinstance(meta, Metadata) and meta.ranks[0].agent_metadata == b"SECRET-METADATA" and not done
     assert rank.peers == [("d", 0, 1)]

@@ -60,7 +60,8 @@ class Backend(Protocol):
     def connect(self, name: str) -> None:
         """Wire up the transport to a loaded remote agent (*blocking*)."""
 
-    def remove_remote(self, name: str) -> None: ...
+    def remove_remote(self, name: str) -> None:
+        """Undo one `add_remote` (references are counted: the last one forgets the agent)."""
 
     def prep(self, agent: str, table: npt.NDArray[np.int64], mem_type: str) -> DlistHandle:
         """Prepare a strided descriptor table (*blocking*)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -164,7 +165,8 @@ class NixlBackend:
         self._registrations: list[Any] = []
         self._dlists: set[DlistHandle] = set()  # live prepared lists (handles are ints)
         self._xfers: set[XferHandle] = set()
-        self._remotes: set[str] = set()
+        self._remotes: dict[str, int] = {}  # loaded remote agent -> references (sessions' links)
+        self._loaded: dict[bytes, str] = {}  # digest of the metadata loaded -> agent name
         self._closed = False
         self._strided: bool | None = None
 
@@ -199,11 +201,26 @@ class NixlBackend:
 
     @on_device
     def add_remote(self, metadata: bytes) -> str:
-        """Load a remote agent's metadata; returns its agent name."""
+        """Load a remote agent's metadata; returns its agent name.
+
+        Reference-counted: loading the same metadata again (two sessions to one engine) takes
+        another reference instead of re-registering the agent, which would invalidate the
+        lists the other session prepared; each add is undone by one
+        [`remove_remote`][akv.backends.nixl.NixlBackend.remove_remote].
+        """
+        key = hashlib.sha256(metadata).digest()
+        name = self._loaded.get(key)
+        if name is not None and name in self._remotes:
+            self._remotes[name] += 1
+            return name
         with map_exceptions("cannot load remote agent metadata"):
             raw = self._agent.add_remote_agent(metadata)
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
-        self._remotes.add(name)
+        # Other metadata under a loaded name: the agent re-registered (NIXL invalidates the old
+        # lists itself); its references carry over to the new metadata.
+        self._loaded = {k: v for k, v in self._loaded.items() if v != name}
+        self._loaded[key] = name
+        self._remotes[name] = self._remotes.get(name, 0) + 1
         return name
 
     @on_device
@@ -214,9 +231,14 @@ class NixlBackend:
 
     @on_device
     def remove_remote(self, name: str) -> None:
-        """Forget a remote agent (and disconnect from it). Idempotent."""
-        if name in self._remotes:
-            self._remotes.discard(name)
+        """Drop one reference to a remote agent; the last one forgets the agent (and
+        disconnects from it). Unknown names are ignored."""
+        refs = self._remotes.get(name, 0)
+        if refs > 1:
+            self._remotes[name] = refs - 1
+        elif refs == 1:
+            del self._remotes[name]
+            self._loaded = {k: v for k, v in self._loaded.items() if v != name}
             with contextlib.suppress(Exception):  # already gone: nothing else to undo
                 self._agent.remove_remote_agent(name)
 
@@ -365,6 +387,7 @@ class NixlBackend:
         for dlist in list(self._dlists):
             self.release_dlist(dlist)
         for name in list(self._remotes):
+            self._remotes[name] = 1
             self.remove_remote(name)
         for reg in self._registrations:
             with contextlib.suppress(Exception):  # already gone: nothing else to undo

@@ -60,6 +60,7 @@ def validate(a: argparse.Namespace) -> None:
         raise ConfigError(
             f"--connect: {exc} (the endpoint of the prefill engine's ready line is its bootstrap)"
         ) from None
+    check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
     check_model(a, "--tp-size")
     a.device_checked = device_of(a)
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")

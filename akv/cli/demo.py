@@ -40,6 +40,7 @@ __all__ = ["cmd_demo", "run_demo", "validate"]
 
 def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv demo``, before starting anything; sizes ``--blocks`` if not given."""
+    check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
     check_model(a, "--prefill-tp", "--decode-tp")
     a.devices = {side: device_of(a, side) for side in ("prefill", "decode")}
     for flag, value in (

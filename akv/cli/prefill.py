@@ -53,6 +53,7 @@ __all__ = ["cmd_prefill", "run_prefill", "run_prefill_engine", "validate"]
 
 def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv prefill``, before any I/O ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
+    check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
     check_model(a, "--tp-size")
     a.device_checked = device_of(a)
     size_pool(a)

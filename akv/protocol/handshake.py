@@ -7,10 +7,18 @@ The conversation::
     D -> P  MetadataRequest(ranks, mac_d)                               (| ListRequests later)
     P -> D  Metadata(ranks..., mac_p)                                   | Error
 
-With a shared secret, ``mac_d = HMAC(secret, "akv-client" | nonce_p | nonce_d | engine_id)``
-and ``mac_p = HMAC(secret, "akv-server" | nonce_d | nonce_p)``; both are compared in
-constant time. Without a valid ``mac_d`` the client never sees agent metadata, which grants
-read access to the registered KV memory.
+With a shared secret each MAC covers the whole transcript so far: every byte of every
+message of both directions (`Transcript`), then the MAC-bearing message itself encoded with
+an empty ``mac``::
+
+    mac_d = HMAC(secret, "akv-client" | H(Hello, Challenge, MetadataRequest[mac=""]))
+    mac_p = HMAC(secret, "akv-server" | H(Hello, Challenge, MetadataRequest, Metadata[mac=""]))
+
+(and a ``Requests`` reply likewise). So a relay without the secret can neither alter a
+message (engine id, ranks, endpoints, agent names, metadata, addresses) nor splice two
+conversations: the side that checks a MAC computes it over what it sent and received
+itself. MACs are compared in constant time. Without a valid ``mac_d`` the client never sees
+agent metadata, which grants read access to the registered KV memory.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any, Protocol
 
+import msgspec
+
 from akv import sharding
 from akv.errors import (
     AkvError,
@@ -31,11 +41,14 @@ from akv.errors import (
     HandshakeError,
     IncompatiblePeerError,
     ProtocolError,
+    RefusedError,
+    ServerBusyError,
     VersionMismatchError,
 )
 from akv.geometry.cache import CacheSpec, check_peer
 from akv.metrics import Metrics
 from akv.protocol.messages import (
+    MAX_TP_SIZE,
     Challenge,
     Error,
     Hello,
@@ -48,6 +61,7 @@ from akv.protocol.messages import (
     Registered,
     RequestInfo,
     Requests,
+    encode_body,
 )
 
 __all__ = [
@@ -56,6 +70,7 @@ __all__ = [
     "HandshakeResult",
     "HostedRank",
     "ServerConversation",
+    "Transcript",
     "mac",
     "register_mac",
     "resolve_secret",
@@ -65,12 +80,45 @@ SECRET_ENV = "AKV_SECRET"
 
 
 def resolve_secret(secret: str | bytes | None) -> bytes | None:
-    """The secret to use: the argument, else ``$AKV_SECRET``, else None (no authentication)."""
+    """The secret to use: the argument, else ``$AKV_SECRET``, else None (no authentication).
+
+    Raises [`ConfigError`][akv.errors.ConfigError] for an empty secret, wherever it comes
+    from (an argument, ``--secret ""``, or ``AKV_SECRET=`` in the environment): an empty
+    string is a mistake, not a secret, and never means "no authentication".
+    """
+    source = "the secret argument"
     if secret is None:
-        secret = os.environ.get(SECRET_ENV) or None
+        secret = os.environ.get(SECRET_ENV)
+        source = f"${SECRET_ENV}"
     if secret is None:
         return None
+    if not secret:
+        raise ConfigError(
+            f"{source} is empty: give a non-empty shared secret, or unset it for no authentication"
+        )
     return secret.encode() if isinstance(secret, str) else bytes(secret)
+
+
+class Transcript:
+    """A running hash of every message of one conversation, both directions, in order.
+
+    Each entry is the direction (``c`` client to server, ``s`` server to client), the body's
+    length and its bytes, so no two different conversations hash alike.
+    """
+
+    def __init__(self) -> None:
+        self._hash = sha256()
+
+    def add(self, direction: bytes, body: bytes) -> None:
+        """Record one message body."""
+        self._hash.update(direction + len(body).to_bytes(4, "big") + body)
+
+    def mac(self, secret: bytes, label: bytes, direction: bytes, unsent: Message) -> bytes:
+        """The MAC of the transcript followed by ``unsent`` (a message whose ``mac`` is empty)."""
+        h = self._hash.copy()
+        body = encode_body(unsent)
+        h.update(direction + len(body).to_bytes(4, "big") + body)
+        return mac(secret, label, h.digest())
 
 
 def mac(secret: bytes, *parts: bytes) -> bytes:
@@ -93,23 +141,25 @@ class HostedRank(Protocol):
 
 
 def register_mac(secret: bytes, msg: Register) -> bytes:
-    """The MAC a rank's registration with its bootstrap carries."""
-    return mac(
-        secret,
-        b"akv-register",
-        msg.engine_id.encode(),
-        str(msg.tp_rank).encode(),
-        str(msg.tp_size).encode(),
-        msg.endpoint.encode(),
-        msg.compat.encode(),
-    )
+    """The MAC a rank's registration with its bootstrap carries: over the whole message."""
+    return mac(secret, b"akv-register", encode_body(_unmac(msg)))
+
+
+def registered_mac(secret: bytes, request: Register, reply: Registered) -> bytes:
+    """The MAC of a bootstrap's reply: over the registration it answers and the reply."""
+    return mac(secret, b"akv-registered", encode_body(request), encode_body(_unmac(reply)))
+
+
+def _unmac(msg: Any) -> Any:
+    return msgspec.structs.replace(msg, mac=b"")
 
 
 class ServerConversation:
     """The server side of one connection's handshake.
 
-    `receive` takes one decoded message (or the [`AkvError`][akv.errors.AkvError] decoding raised) and
-    returns ``(replies, done)``; after ``done`` the connection is closed.
+    `receive` takes one decoded message (or the [`AkvError`][akv.errors.AkvError] decoding
+    raised) with the bytes it was decoded from, and returns ``(replies, done)``; after
+    ``done`` the connection is closed. Every message in and out enters the transcript.
     """
 
     def __init__(
@@ -119,7 +169,8 @@ class ServerConversation:
         directory: Callable[[], Sequence[RequestInfo]] | None = None,
         metrics: Metrics | None = None,
         endpoints: Callable[[], list[str]] | None = None,
-        register: Callable[[Register], str] | None = None,
+        register: Callable[[Register], Registered] | None = None,
+        instance_id: Callable[[], str] | None = None,
     ) -> None:
         self.ranks = ranks
         self.secret = secret
@@ -127,32 +178,50 @@ class ServerConversation:
         self.metrics = metrics or Metrics()
         self.endpoints = endpoints
         self.register = register
+        self.instance_id = instance_id
         self.state = "hello"
         self.nonce = _secrets.token_bytes(16)
         self.hello: Hello | None = None
+        self.transcript = Transcript()
+
+    @property
+    def authenticated(self) -> bool:
+        """True once the client proved the secret (or none is needed) and got its metadata."""
+        return self.state == "authed"
 
     def _fail(self, code: Any, message: str, fields: Sequence[str] = ()) -> tuple[list[Message], bool]:
         self.metrics.inc("handshakes_failed")
         self.state = "closed"
         return [Error(code=code, message=message, fields=list(fields))], True
 
-    def receive(self, msg: Message | AkvError) -> tuple[list[Message], bool]:
-        """Advance the conversation by one incoming message."""
+    def _send(self, msg: Message) -> Message:
+        self.transcript.add(b"s", encode_body(msg))
+        return msg
+
+    def receive(self, msg: Message | AkvError, raw: bytes | None = None) -> tuple[list[Message], bool]:
+        """Advance the conversation by one incoming message (``raw``: its bytes as received)."""
         if self.state == "closed":
             return [], True
         if isinstance(msg, VersionMismatchError):
             return self._fail("version", str(msg))
         if isinstance(msg, AkvError):
             return self._fail("protocol", str(msg))
+        body = raw if raw is not None else encode_body(msg)
+        if isinstance(msg, MetadataRequest) and self.state == "challenged":
+            return self._on_metadata_request(msg, body)  # checks its MAC before recording it
+        self.transcript.add(b"c", body)
         if self.state == "hello" and isinstance(msg, Register):
             return self._on_register(msg)
         if self.state == "hello":
             return self._on_hello(msg)
-        if isinstance(msg, MetadataRequest):
-            return self._on_metadata_request(msg)
         if isinstance(msg, ListRequests) and self.state == "authed":
             items = list(self.directory()) if self.directory else []
-            return [Requests(items=items)], False
+            reply = Requests(items=items)
+            if self.secret is not None:
+                reply = msgspec.structs.replace(
+                    reply, mac=self.transcript.mac(self.secret, b"akv-server-requests", b"s", reply)
+                )
+            return [self._send(reply)], False
         return self._fail("protocol", f"unexpected {type(msg).__name__} in state {self.state}")
 
     def _on_register(self, msg: Register) -> tuple[list[Message], bool]:
@@ -162,11 +231,15 @@ class ServerConversation:
             self.metrics.inc("auth_failures")
             return self._fail("auth", "registration refused: wrong or missing shared secret")
         try:
-            engine_id = self.register(msg)
+            reply = self.register(msg)
+        except IncompatiblePeerError as exc:
+            return self._fail("incompatible", str(exc), list(exc.fields))
         except ConfigError as exc:
             return self._fail("register", str(exc))
+        if self.secret is not None:
+            reply = msgspec.structs.replace(reply, mac=registered_mac(self.secret, msg, reply))
         self.state = "closed"
-        return [Registered(engine_id=engine_id)], True
+        return [reply], True
 
     def _on_hello(self, msg: Message) -> tuple[list[Message], bool]:
         if not isinstance(msg, Hello):
@@ -191,30 +264,34 @@ class ServerConversation:
             return self._fail("config", f"decode TP: {exc}")
         self.hello = msg
         self.state = "challenged"
-        return [
-            Challenge(
-                engine_id=first.engine_id,
-                tp_size=first.tp_size,
-                spec=first.cache,
-                ranks=sorted(self.ranks),
-                nonce=self.nonce,
-                auth=self.secret is not None,
-                lease_s=first.lease_s,
-                endpoints=self.endpoints() if self.endpoints else [],
-            )
-        ], False
+        challenge = Challenge(
+            engine_id=first.engine_id,
+            tp_size=first.tp_size,
+            spec=first.cache,
+            ranks=sorted(self.ranks),
+            nonce=self.nonce,
+            auth=self.secret is not None,
+            lease_s=first.lease_s,
+            endpoints=self.endpoints() if self.endpoints else [],
+            instance_id=self.instance_id() if self.instance_id else "",
+        )
+        return [self._send(challenge)], False
 
-    def _on_metadata_request(self, msg: MetadataRequest) -> tuple[list[Message], bool]:
+    def _on_metadata_request(self, msg: MetadataRequest, body: bytes) -> tuple[list[Message], bool]:
         hello = self.hello
-        if hello is None:
+        if hello is None:  # pragma: no cover - the state says a Hello came
             return self._fail("protocol", "MetadataRequest before Hello")
-        proof = b""
         if self.secret is not None:
-            want = mac(self.secret, b"akv-client", self.nonce, hello.nonce, hello.engine_id.encode())
+            want = self.transcript.mac(
+                self.secret, b"akv-client", b"c", msgspec.structs.replace(msg, mac=b"")
+            )
             if not hmac.compare_digest(want, msg.mac):
                 self.metrics.inc("auth_failures")
-                return self._fail("auth", "authentication failed: wrong or missing shared secret")
-            proof = mac(self.secret, b"akv-server", hello.nonce, self.nonce)
+                return self._fail(
+                    "auth",
+                    "authentication failed: wrong or missing shared secret, or the handshake was altered in transit",
+                )
+        self.transcript.add(b"c", body)
         unknown = sorted(set(msg.ranks) - set(self.ranks))
         if unknown:
             return self._fail("unknown_rank", f"prefill ranks {unknown} are not served here")
@@ -226,9 +303,13 @@ class ServerConversation:
                 infos.append(hosted.rank_info())
         except AkvError as exc:  # e.g. a rank shutting down: fail this handshake, keep serving
             return self._fail("config", f"prefill rank unavailable: {exc}")
+        reply = Metadata(ranks=infos)
+        if self.secret is not None:
+            proof = self.transcript.mac(self.secret, b"akv-server", b"s", reply)
+            reply = msgspec.structs.replace(reply, mac=proof)
         self.state = "authed"
         self.metrics.inc("handshakes_served")
-        return [Metadata(ranks=infos, mac=proof)], False
+        return [self._send(reply)], False
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,15 +330,17 @@ def raise_for_error(err: Error) -> None:
         raise AuthenticationError(f"{prefix}: {err.message}")
     if err.code == "version":
         raise IncompatiblePeerError(f"{prefix}: {err.message}", ("version",))
-    raise HandshakeError(f"{prefix} ({err.code}): {err.message}")
+    if err.code == "busy":
+        raise ServerBusyError(f"{prefix}: {err.message}")
+    raise RefusedError(f"{prefix} ({err.code}): {err.message}")
 
 
 class ClientConversation:
     """The decode side of one handshake.
 
-    `start` gives the first message to send; `receive` takes each reply and
-    returns the next message to send, or None once [`result`][akv.Transfer.result] is set. Refusals and
-    protocol violations raise typed errors.
+    `start` gives the first message to send; `receive` takes each reply (with the bytes it
+    was decoded from) and returns the next message to send, or None once ``result`` is set.
+    Refusals, protocol violations and MACs that do not match the transcript raise typed errors.
     """
 
     def __init__(
@@ -277,26 +360,45 @@ class ClientConversation:
         self.ranks: dict[int, RankInfo] = {}
         self.result: HandshakeResult | None = None
         self._asked: list[int] = []
+        self.transcript = Transcript()
+
+    def _send(self, msg: Message) -> Message:
+        self.transcript.add(b"c", encode_body(msg))
+        return msg
 
     def start(self) -> Message:
         """The opening Hello."""
         self.state = "hello"
-        return self.hello
+        return self._send(self.hello)
 
-    def receive(self, msg: Message) -> Message | None:
-        """Advance by one reply; returns the next message to send, or None when done."""
+    def receive(self, msg: Message, raw: bytes | None = None) -> Message | None:
+        """Advance by one reply (``raw``: its bytes as received); returns the next message to
+        send, or None when done."""
         if isinstance(msg, Error):
             raise_for_error(msg)
+        body = raw if raw is not None else encode_body(msg)
         if self.state == "hello":
+            self.transcript.add(b"s", body)
             return self._on_challenge(msg)
         if self.state == "metadata":
-            return self._on_metadata(msg)
+            return self._on_metadata(msg, body)
         if self.state == "requests":
             if not isinstance(msg, Requests):
                 raise ProtocolError(f"expected Requests, got {type(msg).__name__}")
+            self._check_mac(msg, b"akv-server-requests")
             self._finish(msg.items)
             return None
         raise ProtocolError(f"unexpected {type(msg).__name__} in state {self.state}")
+
+    def _check_mac(self, msg: Metadata | Requests, label: bytes) -> None:
+        if self.secret is None:
+            return
+        want = self.transcript.mac(self.secret, label, b"s", msgspec.structs.replace(msg, mac=b""))
+        if self.challenge is None or not self.challenge.auth or not hmac.compare_digest(want, msg.mac):
+            raise AuthenticationError(
+                "the remote engine could not prove it knows the shared secret over this handshake "
+                "(wrong secret, or a message was altered in transit)"
+            )
 
     def _on_challenge(self, msg: Message) -> Message:
         if not isinstance(msg, Challenge):
@@ -305,30 +407,37 @@ class ClientConversation:
             raise AuthenticationError(
                 f"remote engine {msg.engine_id} requires a shared secret: set {SECRET_ENV} or pass secret="
             )
-        proof = b""
-        if self.secret is not None:
-            proof = mac(
-                self.secret, b"akv-client", msg.nonce, self.hello.nonce, self.hello.engine_id.encode()
+        try:
+            msg.spec.validate()
+        except ConfigError as exc:
+            raise HandshakeError(f"the remote engine describes an invalid cache: {exc}") from None
+        if any(not 0 <= r < msg.tp_size for r in msg.ranks) or len(msg.endpoints) not in (0, msg.tp_size):
+            raise ProtocolError(
+                f"the remote engine's ranks {msg.ranks[:8]} or {len(msg.endpoints)} endpoints do not fit "
+                f"its TP size {msg.tp_size} (at most {MAX_TP_SIZE})"
             )
         self.challenge = msg
         self._asked = list(self.choose_ranks(msg))
         self.state = "metadata"
-        return MetadataRequest(ranks=self._asked, mac=proof)
+        request = MetadataRequest(ranks=self._asked)
+        if self.secret is not None:
+            request = msgspec.structs.replace(
+                request, mac=self.transcript.mac(self.secret, b"akv-client", b"c", request)
+            )
+        return self._send(request)
 
-    def _on_metadata(self, msg: Message) -> Message | None:
+    def _on_metadata(self, msg: Message, body: bytes) -> Message | None:
         if not isinstance(msg, Metadata) or self.challenge is None:
             raise ProtocolError(f"expected Metadata, got {type(msg).__name__}")
-        if self.secret is not None:
-            want = mac(self.secret, b"akv-server", self.hello.nonce, self.challenge.nonce)
-            if not self.challenge.auth or not hmac.compare_digest(want, msg.mac):
-                raise AuthenticationError("the remote engine could not prove it knows the shared secret")
+        self._check_mac(msg, b"akv-server")
+        self.transcript.add(b"s", body)
         got = {info.tp_rank: info for info in msg.ranks}
-        if set(got) != set(self._asked):
+        if set(got) != set(self._asked) or len(msg.ranks) != len(got):
             raise ProtocolError(f"asked for prefill ranks {sorted(self._asked)}, got {sorted(got)}")
         self.ranks = got
         if self.list_requests:
             self.state = "requests"
-            return ListRequests()
+            return self._send(ListRequests())
         self._finish(None)
         return None
 

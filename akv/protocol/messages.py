@@ -11,12 +11,17 @@ Protocol history:
   Requests / Error; notifications ``done`` and ``extend``. Appended since (fields with
   defaults): exposure tables in RankInfo, digests in notices, the decode agent's name in
   Hello, rank endpoints in Challenge, and Register / Registered (ranks with their bootstrap).
+* 2 — caches are described as groups (CacheSpec).
+* 3 — the MACs cover the whole transcript (`akv.protocol.handshake.Transcript`), not only
+  the nonces; Challenge carries the engine's ``instance_id``; Register carries the rank's
+  cache and ``Registered`` a MAC and the instance id; Requests a MAC. Sizes a peer supplies
+  are bounded (``MAX_TP_SIZE``, ``MAX_LIST``, ``MAX_REGIONS``).
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -26,6 +31,10 @@ from akv.geometry.cache import CacheSpec
 __all__ = [
     "DEFAULT_CLIENT_MAX_FRAME",
     "DEFAULT_SERVER_MAX_FRAME",
+    "MAX_BUCKETS",
+    "MAX_LIST",
+    "MAX_REGIONS",
+    "MAX_TP_SIZE",
     "PROTOCOL_VERSION",
     "Challenge",
     "Error",
@@ -43,16 +52,32 @@ __all__ = [
     "Requests",
     "decode_message",
     "decode_notice",
+    "encode_body",
     "encode_frame",
     "encode_notice",
 ]
 
-PROTOCOL_VERSION = 2  # 2: caches are described as groups (CacheSpec)
+PROTOCOL_VERSION = 3  # 3: transcript-bound MACs, engine instance ids (see the history above)
+#: Largest TP size a peer or discovery record may state.
+MAX_TP_SIZE = 1024
+#: Longest list (requests, ranks, ids) a peer may send in one message.
+MAX_LIST = 65536
+#: Most regions (addresses) one prefill rank may describe.
+MAX_REGIONS = 65536
+#: Most exposure-table buckets a prefill rank may state.
+MAX_BUCKETS = 1 << 24
 #: Largest frame a server accepts: client messages are small.
 DEFAULT_SERVER_MAX_FRAME = 64 * 1024
 #: Largest frame a client accepts: agent metadata can be large.
 DEFAULT_CLIENT_MAX_FRAME = 64 * 1024 * 1024
 _HEADER = struct.Struct(">I")
+
+# Bounded sizes: msgspec refuses a value outside them while decoding, with an error naming
+# the field and the bound (``Expected `int` <= 1024 - at `$.tp_size```).
+TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
+Ranks = Annotated[list[TpRank], msgspec.Meta(max_length=MAX_TP_SIZE)]
+Name = Annotated[str, msgspec.Meta(max_length=1024)]
 
 
 class _Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -62,84 +87,99 @@ class _Msg(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 class Hello(_Msg, frozen=True, tag=True, kw_only=True):
     """Client → server: who the decode rank is and what cache it holds."""
 
-    engine_id: str
-    tp_rank: int
-    tp_size: int
+    engine_id: Name
+    tp_rank: TpRank
+    tp_size: TpSize
     spec: CacheSpec
-    compat: str
-    nonce: bytes
-    agent_name: str = ""  # the decode rank's NIXL agent: its notices are bound to it
+    compat: Name
+    nonce: Annotated[bytes, msgspec.Meta(max_length=64)]
+    agent_name: Name = ""  # the decode rank's NIXL agent: its notices are bound to it
 
 
 class Challenge(_Msg, frozen=True, tag=True, kw_only=True):
     """Server → client: the prefill engine's shape and a nonce to authenticate against."""
 
-    engine_id: str
-    tp_size: int
+    engine_id: Name
+    tp_size: TpSize
     spec: CacheSpec
-    ranks: list[int]
-    nonce: bytes
+    ranks: Ranks
+    nonce: Annotated[bytes, msgspec.Meta(max_length=64)]
     auth: bool
     lease_s: float = 0.0
-    endpoints: list[str] = []  # every rank's control endpoint in rank order, "" if unknown yet
+    # every rank's control endpoint in rank order, "" if unknown yet
+    endpoints: Annotated[list[Name], msgspec.Meta(max_length=MAX_TP_SIZE)] = []
+    instance_id: Name = ""  # this incarnation of the engine ("" if this rank does not know it)
 
 
 class Register(_Msg, frozen=True, tag=True, kw_only=True):
     """Prefill rank -> its engine's bootstrap (rank 0): "rank ``tp_rank`` serves ``endpoint``".
 
-    ``mac = HMAC(secret, "akv-register" | engine_id | tp_rank | tp_size | endpoint | compat)``
-    when the engines share a secret.
+    ``mac = HMAC(secret, "akv-register" | the message encoded with an empty mac)`` when the
+    engines share a secret. ``spec`` is the rank's cache, checked field by field against the
+    bootstrap's (layout, block size, groups, dtype...).
     """
 
-    engine_id: str
-    tp_rank: int
-    tp_size: int
-    endpoint: str
-    compat: str
+    engine_id: Name
+    tp_rank: TpRank
+    tp_size: TpSize
+    endpoint: Name
+    compat: Name
     mac: bytes = b""
+    spec: CacheSpec | None = None
 
 
 class Registered(_Msg, frozen=True, tag=True, kw_only=True):
-    """Bootstrap -> rank: registered; ``engine_id`` is the engine's name."""
+    """Bootstrap -> rank: registered; ``engine_id`` is the engine's name, ``instance_id`` its
+    incarnation (rank 0's), ``mac`` binds the reply to the Register it answers."""
 
-    engine_id: str
+    engine_id: Name
+    instance_id: Name = ""
+    mac: bytes = b""
 
 
 class MetadataRequest(_Msg, frozen=True, tag=True, kw_only=True):
     """Client → server: the prefill ranks whose metadata the client needs, with its MAC."""
 
-    ranks: list[int]
+    ranks: Ranks
     mac: bytes = b""
 
 
 class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One prefill rank: its NIXL agent and where its regions live."""
 
-    tp_rank: int
-    agent_name: str
+    tp_rank: TpRank
+    agent_name: Name
     agent_metadata: bytes
-    region_addrs: list[int]
+    region_addrs: Annotated[list[int], msgspec.Meta(max_length=MAX_REGIONS)]
     device_id: int = 0
-    mem_type: str = "DRAM"
+    mem_type: Name = "DRAM"
     exposure_addr: int = 0  # the rank's exposure table (akv.exposure), registered as DRAM
-    exposure_buckets: int = 0
-    process: str = ""  # names the rank's process (akv.runtime.local): a peer there copies instead
+    exposure_buckets: Annotated[int, msgspec.Meta(ge=0, le=MAX_BUCKETS)] = 0
+    process: Name = ""  # names the rank's process (akv.runtime.local): a peer there copies instead
 
 
 class Metadata(_Msg, frozen=True, tag=True, kw_only=True):
     """Server → client: the requested ranks, and the server's proof of the secret."""
 
-    ranks: list[RankInfo]
+    ranks: Annotated[list[RankInfo], msgspec.Meta(max_length=MAX_TP_SIZE)]
     mac: bytes = b""
 
 
 class RequestInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A request announced by a prefill engine (a router would carry this)."""
 
-    request_id: str
-    block_ids: list[int] | dict[str, list[int]]  # flat for a one-group cache, else per group
+    request_id: Name
+    # flat for a one-group cache, else per group
+    block_ids: (
+        Annotated[list[int], msgspec.Meta(max_length=MAX_LIST)]
+        | Annotated[
+            dict[str, Annotated[list[int], msgspec.Meta(max_length=MAX_LIST)]], msgspec.Meta(max_length=64)
+        ]
+    )
     seed: int = 0
     num_tokens: int = 0  # 0: the blocks are full
+    lease_s: float = 0.0  # the lease it was exposed with (0: the engine's default)
+    generation: int = 0  # the exposure's generation (Producer.expose's return; 0: unknown)
 
 
 class ListRequests(_Msg, frozen=True, tag=True, kw_only=True):
@@ -147,17 +187,18 @@ class ListRequests(_Msg, frozen=True, tag=True, kw_only=True):
 
 
 class Requests(_Msg, frozen=True, tag=True, kw_only=True):
-    """Server → client: the announced requests."""
+    """Server → client: the announced requests, with the server's MAC over the transcript."""
 
-    items: list[RequestInfo]
+    items: Annotated[list[RequestInfo], msgspec.Meta(max_length=MAX_LIST)]
+    mac: bytes = b""
 
 
 class Error(_Msg, frozen=True, tag=True, kw_only=True):
     """Either side: why the exchange stops. ``code`` is machine readable."""
 
     code: Literal["version", "incompatible", "auth", "protocol", "busy", "config", "unknown_rank", "register"]
-    message: str
-    fields: list[str] = msgspec.field(default_factory=list)
+    message: Annotated[str, msgspec.Meta(max_length=4096)]
+    fields: Annotated[list[Name], msgspec.Meta(max_length=256)] = msgspec.field(default_factory=list)
 
 
 Message = (
@@ -173,6 +214,11 @@ class _Probe(msgspec.Struct):
 _probe = msgspec.msgpack.Decoder(_Probe)
 _decoder = msgspec.msgpack.Decoder(Message)
 _encoder = msgspec.msgpack.Encoder()
+
+
+def encode_body(message: Message) -> bytes:
+    """The msgpack body of a message (what a frame carries, and what a transcript records)."""
+    return _encoder.encode(message)
 
 
 def encode_frame(message: Message) -> bytes:
@@ -238,10 +284,13 @@ class Notice(msgspec.Struct, frozen=True, array_like=True):
 
     kind: Literal["done", "extend"]
     engine_id: str
-    decode_rank: int
-    decode_tp: int
-    request_ids: list[str]
-    digests: list[int] = []  # "done": the digest of each request's block ids (akv.exposure.digest)
+    decode_rank: TpRank
+    decode_tp: TpSize
+    request_ids: Annotated[list[Name], msgspec.Meta(max_length=MAX_LIST)]
+    # "done": the digest of each request's block ids (akv.exposure.digest)
+    digests: Annotated[list[int], msgspec.Meta(max_length=MAX_LIST)] = []
+    # "done": the exposure generation each reader started under (0: not bound to one)
+    generations: Annotated[list[int], msgspec.Meta(max_length=MAX_LIST)] = []
 
 
 _notice_decoder = msgspec.msgpack.Decoder(Notice)

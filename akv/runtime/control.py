@@ -6,16 +6,28 @@ this module only moves their frames over TCP, with limits and timeouts.
 
 from __future__ import annotations
 
+import hmac
 import math
+import secrets as _secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import msgspec
 from anyio.abc import SocketStream, TaskStatus
 
 from akv._log import get_logger
-from akv.errors import AkvError, ConfigError, FrameError, HandshakeError
+from akv.errors import (
+    AkvError,
+    AuthenticationError,
+    ConfigError,
+    FrameError,
+    HandshakeError,
+    IncompatiblePeerError,
+    ServerBusyError,
+)
 from akv.metrics import Metrics
 from akv.protocol.address import Endpoint, is_loopback, parse_endpoint
 from akv.protocol.handshake import (
@@ -26,6 +38,7 @@ from akv.protocol.handshake import (
     ServerConversation,
     raise_for_error,
     register_mac,
+    registered_mac,
     resolve_secret,
 )
 from akv.protocol.messages import (
@@ -59,7 +72,9 @@ log = get_logger("akv.control")
 @dataclass(slots=True)
 class _Conn:
     scope: anyio.CancelScope
-    greeted: bool = False
+    source: str
+    started: float = field(default_factory=time.monotonic)
+    authenticated: bool = False  # only then is it protected from eviction
 
 
 class ControlServer:
@@ -69,14 +84,24 @@ class ControlServer:
     [`Producer`][akv.Producer]); start it with ``endpoint = await tg.start(server.serve)``.
     Binding an address other than loopback requires a secret unless ``allow_insecure``.
 
+    Connections that have not authenticated yet (not received their metadata) get nothing
+    for free: one deadline for the whole handshake, a cap per source address and a cap in
+    all; at a cap the oldest unauthenticated connection (of that source, else of any) is
+    dropped for the newcomer. Authenticated connections are never dropped for a newcomer.
+
     Args:
         host: the address to bind (default loopback).
         port: the port to bind (0 picks a free one: see [`endpoint`][akv.ControlServer.endpoint]).
-        secret: shared secret that decode engines must prove (default ``$AKV_SECRET``).
+        secret: shared secret that decode engines must prove (default ``$AKV_SECRET``; an
+            empty one is a `ConfigError`).
         allow_insecure: serve a non-loopback address without a secret (trusted networks only).
-        max_connections: connections at once; at the cap, the oldest connection that has not
-            sent a valid Hello is dropped (if every one has, the newcomer gets a ``busy`` error).
-        read_timeout: seconds each read of a connection may take.
+        max_connections: connections at once, authenticated or not; when every one is
+            authenticated the newcomer gets a ``busy`` error.
+        max_unauthenticated: connections at once that have not authenticated.
+        max_unauthenticated_per_source: of those, from one source address.
+        handshake_timeout: seconds a connection has from accept to authentication, however
+            slowly it trickles its bytes.
+        read_timeout: seconds each read may take (after authentication, and within the deadline).
         max_frame: bytes a client frame may have.
         directory: returns the requests to announce to clients that ask (demos and tests).
         metrics: where to count handshakes (default: a new [`Metrics`][akv.Metrics]).
@@ -84,7 +109,7 @@ class ControlServer:
             (default ``host``; give it when binding ``0.0.0.0`` or ``::``).
 
     Raises:
-        ConfigError: a non-loopback ``host`` without a secret or ``allow_insecure``.
+        ConfigError: a non-loopback ``host`` without a secret or ``allow_insecure``; an empty secret.
     """
 
     def __init__(
@@ -95,6 +120,9 @@ class ControlServer:
         secret: str | bytes | None = None,
         allow_insecure: bool = False,
         max_connections: int = 64,
+        max_unauthenticated: int = 32,
+        max_unauthenticated_per_source: int = 8,
+        handshake_timeout: float = 5.0,
         read_timeout: float = 5.0,
         max_frame: int = DEFAULT_SERVER_MAX_FRAME,
         directory: Callable[[], Sequence[RequestInfo]] | None = None,
@@ -107,9 +135,16 @@ class ControlServer:
                 f"refusing to serve KV metadata on non-loopback address {host!r} without a secret: "
                 f"set {SECRET_ENV} (or secret=...), or pass allow_insecure=True if the network is trusted"
             )
+        if min(max_connections, max_unauthenticated, max_unauthenticated_per_source) < 1:
+            raise ConfigError("connection caps must be >= 1")
+        if not handshake_timeout > 0 or not read_timeout > 0:
+            raise ConfigError("handshake_timeout and read_timeout must be > 0")
         self.host = host
         self.port = port
         self.max_connections = max_connections
+        self.max_unauthenticated = min(max_unauthenticated, max_connections)
+        self.max_unauthenticated_per_source = max_unauthenticated_per_source
+        self.handshake_timeout = handshake_timeout
         self.read_timeout = read_timeout
         self.max_frame = max_frame
         self.directory = directory
@@ -118,6 +153,10 @@ class ControlServer:
         self.advertise_host = advertise_host or host
         self.ranks: dict[int, HostedRank] = {}
         self.registered: dict[int, str] = {}  # as a bootstrap: rank -> control endpoint
+        #: This engine's incarnation as rank 0 tells it (random per server); ranks > 0 learn
+        #: their bootstrap's through registration (`learned_instance`).
+        self.own_instance = _secrets.token_hex(8)
+        self.learned_instance = ""
         self._conns: dict[int, _Conn] = {}
         self._endpoint: Endpoint | None = None
 
@@ -125,6 +164,16 @@ class ControlServer:
     def active(self) -> int:
         """Connections being served now."""
         return len(self._conns)
+
+    @property
+    def unauthenticated(self) -> int:
+        """Connections that have not authenticated yet."""
+        return sum(not c.authenticated for c in self._conns.values())
+
+    def instance_id(self) -> str:
+        """The engine incarnation this server reports: its own while it hosts rank 0, else the
+        one learned from the bootstrap, else "" (unknown)."""
+        return self.own_instance if 0 in self.ranks else self.learned_instance
 
     def add(self, rank: HostedRank) -> None:
         """Host a prefill rank; all ranks of one server belong to one engine."""
@@ -159,8 +208,13 @@ class ControlServer:
                 out[r] = str(self._endpoint)
         return out
 
-    def register(self, msg: Register) -> str:
-        """Accept a rank's registration (this server hosts rank 0); returns the engine id."""
+    def register(self, msg: Register) -> Registered:
+        """Accept a rank's registration (this server hosts rank 0).
+
+        Raises [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming the field
+        where the rank's geometry (TP size, layout, block size, groups, dtype...) differs from
+        rank 0's, and `ConfigError` for another engine or a rank outside the TP size.
+        """
         first = self.ranks.get(0)
         if first is None:
             raise ConfigError("this endpoint does not serve rank 0, so it is no engine's bootstrap")
@@ -168,19 +222,35 @@ class ControlServer:
             raise ConfigError(
                 f"rank {msg.tp_rank} belongs to engine {msg.engine_id!r}, this bootstrap to {first.engine_id!r}"
             )
-        if msg.tp_size != first.tp_size or not 0 < msg.tp_rank < first.tp_size:
-            raise ConfigError(
-                f"rank {msg.tp_rank} of TP size {msg.tp_size} does not fit this engine of TP size {first.tp_size}"
+        if msg.tp_size != first.tp_size:
+            raise IncompatiblePeerError(
+                f"rank {msg.tp_rank} has tp_size {msg.tp_size}, this engine's rank 0 {first.tp_size}",
+                ("tp_size",),
+            )
+        if not 0 < msg.tp_rank < first.tp_size:
+            raise ConfigError(f"rank {msg.tp_rank} is not a rank > 0 of an engine of TP size {first.tp_size}")
+        if msg.spec is None:
+            raise IncompatiblePeerError(
+                f"rank {msg.tp_rank} did not describe its cache: run the same akv release on every rank",
+                ("spec",),
+            )
+        if msg.spec != first.cache:
+            diffs = _geometry_differences(first.cache, msg.spec)
+            raise IncompatiblePeerError(
+                f"rank {msg.tp_rank}'s KV cache differs from rank 0's: "
+                + "; ".join(f"{f}: rank 0={a} rank {msg.tp_rank}={b}" for f, a, b in diffs),
+                tuple(f for f, _, _ in diffs),
             )
         if msg.compat != first.cache.compat_hash():
-            raise ConfigError(
-                f"rank {msg.tp_rank} describes another KV cache than rank 0 (compat hash differs)"
+            raise IncompatiblePeerError(
+                f"rank {msg.tp_rank} describes another KV cache than rank 0 (compat hash differs)",
+                ("compat",),
             )
         parse_endpoint(msg.endpoint)
         if self.registered.get(msg.tp_rank) != msg.endpoint:
             log.info("rank registered", engine=first.engine_id, rank=msg.tp_rank, endpoint=msg.endpoint)
         self.registered[msg.tp_rank] = msg.endpoint
-        return first.engine_id
+        return Registered(engine_id=first.engine_id, instance_id=self.own_instance)
 
     async def serve(self, *, task_status: TaskStatus[Endpoint] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until cancelled; reports the bound endpoint via ``task_status``.
@@ -197,21 +267,37 @@ class ControlServer:
             task_status.started(self._endpoint)
             await listener.serve(self._handle)
 
+    def _admit(self, source: str) -> bool:
+        """Make room for a new unauthenticated connection from ``source``; False if there is none."""
+        pending = [c for c in self._conns.values() if not c.authenticated]  # oldest first
+        mine = [c for c in pending if c.source == source]
+        victim = None
+        if len(mine) >= self.max_unauthenticated_per_source:
+            victim = mine[0]
+        elif len(pending) >= self.max_unauthenticated or len(self._conns) >= self.max_connections:
+            victim = pending[0] if pending else None
+            if victim is None:
+                return False
+        if victim is not None:
+            victim.scope.cancel()
+            del self._conns[id(victim)]
+            self.metrics.inc("connections_evicted")
+        return True
+
     async def _handle(self, stream: SocketStream) -> None:
+        from anyio.abc import SocketAttribute
+
         async with stream:
-            if len(self._conns) >= self.max_connections:
-                # Make room by dropping the oldest connection that never sent a valid Hello, so
-                # idle or garbage connections cannot lock real handshakes out.
-                victim = next((c for c in self._conns.values() if not c.greeted), None)
-                if victim is None:
-                    self.metrics.inc("connections_refused")
-                    with anyio.move_on_after(1):
-                        await stream.send(encode_frame(Error(code="busy", message="too many connections")))
-                    return
-                victim.scope.cancel()
-                del self._conns[id(victim)]
-                self.metrics.inc("connections_evicted")
-            conn = _Conn(anyio.CancelScope())
+            try:
+                source = str(stream.extra(SocketAttribute.remote_address)[0])
+            except (IndexError, TypeError, anyio.TypedAttributeLookupError):
+                source = "?"
+            if not self._admit(source):
+                self.metrics.inc("connections_refused")
+                with anyio.move_on_after(1):
+                    await stream.send(encode_frame(Error(code="busy", message="too many connections")))
+                return
+            conn = _Conn(anyio.CancelScope(), source)
             self._conns[id(conn)] = conn
             try:
                 with conn.scope:
@@ -231,11 +317,16 @@ class ControlServer:
             self.metrics,
             endpoints=self.rank_endpoints,
             register=self.register,
+            instance_id=self.instance_id,
         )
         frames = FrameBuffer(self.max_frame)
+        deadline = conn.started + self.handshake_timeout
         while True:
-            msgs: list[Message | AkvError] = []
-            with anyio.move_on_after(self.read_timeout) as scope:
+            msgs: list[tuple[Message | AkvError, bytes | None]] = []
+            limit = self.read_timeout
+            if not conn.authenticated:  # one deadline for the whole handshake, not per read
+                limit = min(limit, deadline - time.monotonic())
+            with anyio.move_on_after(max(limit, 0)) as scope:
                 try:
                     data = await stream.receive(65536)
                 except anyio.EndOfStream:
@@ -246,16 +337,16 @@ class ControlServer:
             try:
                 bodies = frames.feed(data)
             except FrameError as exc:
-                msgs.append(exc)
+                msgs.append((exc, None))
                 bodies = []
             for body in bodies:
                 try:
-                    msgs.append(decode_message(body))
+                    msgs.append((decode_message(body), body))
                 except AkvError as exc:
-                    msgs.append(exc)
-            for msg in msgs:
-                replies, done = conv.receive(msg)
-                conn.greeted = conv.state not in ("hello", "closed")
+                    msgs.append((exc, None))
+            for msg, raw in msgs:
+                replies, done = conv.receive(msg, raw)
+                conn.authenticated = conv.authenticated
                 for reply in replies:
                     with anyio.fail_after(self.read_timeout):
                         await stream.send(encode_frame(reply))
@@ -263,6 +354,19 @@ class ControlServer:
                     if isinstance(msg, AkvError):
                         log.info("control connection rejected", reason=str(msg))
                     return
+
+
+def _geometry_differences(ours: Any, theirs: Any) -> list[tuple[str, str, str]]:
+    """``(field, ours, theirs)`` for each group field where two caches differ."""
+    out: list[tuple[str, str, str]] = []
+    if [g.name for g in ours.groups] != [g.name for g in theirs.groups]:
+        return [("groups", str([g.name for g in ours.groups]), str([g.name for g in theirs.groups]))]
+    for a, b in zip(ours.groups, theirs.groups, strict=True):
+        for name in a.__struct_fields__:
+            x, y = getattr(a, name), getattr(b, name)
+            if x != y:
+                out.append((f"{a.name}.{name}", str(x), str(y)))
+    return out or [("spec", "?", "?")]
 
 
 class _Client:
@@ -276,21 +380,23 @@ class _Client:
     async def send(self, msg: Message) -> None:
         await self.stream.send(encode_frame(msg))
 
-    async def receive(self) -> Message:
+    async def receive(self) -> tuple[Message, bytes]:
+        """The next message and the bytes it was decoded from."""
         while not self.pending:
             try:
                 data = await self.stream.receive(1 << 20)
             except anyio.EndOfStream:
                 raise HandshakeError("the remote engine closed the connection mid-handshake") from None
             self.pending.extend(self.frames.feed(data))
-        return decode_message(self.pending.pop(0))
+        body = self.pending.pop(0)
+        return decode_message(body), body
 
 
 async def _converse_client(client: _Client, conv: ClientConversation) -> HandshakeResult:
     out: Message | None = conv.start()
     while out is not None:
         await client.send(out)
-        out = conv.receive(await client.receive())
+        out = conv.receive(*await client.receive())
     if conv.result is None:  # pragma: no cover - the conversation sets it when done
         raise HandshakeError("handshake ended without a result")
     return conv.result
@@ -311,13 +417,18 @@ async def client_handshake(
 ) -> HandshakeResult:
     """Run the client side against one endpoint, retrying unreachable endpoints with backoff.
 
-    Raises [`HandshakeError`][akv.errors.HandshakeError] (or a subclass) naming the endpoint; refusals by the
+    A server answering ``busy`` (no room for another connection) is tried again until
+    ``connect_timeout`` has passed since the first attempt. Raises
+    [`HandshakeError`][akv.errors.HandshakeError] (or a subclass) naming the endpoint; refusals by the
     server (incompatible, auth) are not retried.
     """
     last: Exception | None = None
-    for attempt in range(retries + 1):
+    busy_until = time.monotonic() + connect_timeout
+    attempt = 0
+    while attempt <= retries:
         if attempt:
             await sleep(backoff * math.pow(2, attempt - 1))
+        attempt += 1
         try:
             with anyio.fail_after(connect_timeout):
                 stream = await anyio.connect_tcp(endpoint.host, endpoint.port)
@@ -336,6 +447,15 @@ async def client_handshake(
             except (anyio.BrokenResourceError, OSError) as exc:
                 last = exc
                 continue
+            except ServerBusyError as exc:
+                if time.monotonic() + backoff >= busy_until:
+                    raise ServerBusyError(
+                        f"{endpoint} stayed busy for the connect timeout ({connect_timeout}s): {exc}"
+                    ) from None
+                last = exc
+                attempt -= 1  # a busy server does not use up a retry, the clock bounds it
+                await sleep(backoff)
+                continue
             except FrameError as exc:
                 raise HandshakeError(f"bad reply from {endpoint}: {exc}") from None
     raise HandshakeError(f"cannot reach {endpoint} after {retries + 1} attempts: {last}")
@@ -347,10 +467,13 @@ async def register_rank(
     *,
     secret: bytes | None,
     timeout: float = 5.0,  # noqa: ASYNC109 (one deadline for connect, send and reply)
-) -> str:
-    """Register a rank's endpoint with its engine's bootstrap; returns the engine id.
+) -> Registered:
+    """Register a rank's endpoint with its engine's bootstrap; returns its reply (the engine
+    id and instance id), whose MAC is checked when there is a secret.
 
-    Raises :class:`HandshakeError` if the bootstrap cannot be reached or refuses.
+    Raises :class:`HandshakeError` if the bootstrap cannot be reached or refuses
+    ([`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming the field where
+    the rank's geometry differs from rank 0's).
     """
     if secret is not None:
         msg = msgspec.structs.replace(msg, mac=register_mac(secret, msg))
@@ -359,11 +482,13 @@ async def register_rank(
             async with await anyio.connect_tcp(bootstrap.host, bootstrap.port) as stream:
                 client = _Client(stream)
                 await client.send(msg)
-                reply = await client.receive()
+                reply, _ = await client.receive()
     except (OSError, TimeoutError, anyio.BrokenResourceError) as exc:
         raise HandshakeError(f"cannot register with the bootstrap at {bootstrap}: {exc}") from None
     if isinstance(reply, Error):
         raise_for_error(reply)
     if not isinstance(reply, Registered):
         raise HandshakeError(f"the bootstrap at {bootstrap} answered {type(reply).__name__}, not Registered")
-    return reply.engine_id
+    if secret is not None and not hmac.compare_digest(registered_mac(secret, msg, reply), reply.mac):
+        raise AuthenticationError(f"the bootstrap at {bootstrap} could not prove it knows the shared secret")
+    return reply

@@ -17,7 +17,7 @@ import base64
 import json
 import math
 from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
 import msgspec
@@ -25,7 +25,7 @@ import msgspec
 from akv._log import get_logger
 from akv.errors import ConfigError, EtcdUnavailableError, MissingRanksError
 from akv.protocol.address import Endpoint, check_engine_id, parse_endpoint
-from akv.protocol.messages import PROTOCOL_VERSION
+from akv.protocol.messages import MAX_TP_SIZE, PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     import httpx
@@ -54,13 +54,13 @@ class RankRecord(msgspec.Struct, frozen=True, kw_only=True):
         compat: the spec's compat hash (``KVSpec.compat_hash()``), empty if not given.
     """
 
-    engine_id: str
-    tp_rank: int
-    tp_size: int
-    host: str
-    port: int
+    engine_id: Annotated[str, msgspec.Meta(max_length=1024)]
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]  # bounded before use
+    host: Annotated[str, msgspec.Meta(max_length=1024)]
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
     v: int = PROTOCOL_VERSION
-    compat: str = ""
+    compat: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
     @property
     def endpoint(self) -> Endpoint:
@@ -80,6 +80,8 @@ class RankRecord(msgspec.Struct, frozen=True, kw_only=True):
         """A validated record for rank ``tp_rank`` of ``tp_size`` of engine ``engine_id``
         serving ``endpoint``, with the spec's ``compat`` hash."""
         check_engine_id(engine_id)
+        if not 1 <= tp_size <= MAX_TP_SIZE:
+            raise ConfigError(f"tp_size {tp_size} is outside [1, {MAX_TP_SIZE}]")
         if not 0 <= tp_rank < tp_size:
             raise ConfigError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
         ep = parse_endpoint(endpoint)

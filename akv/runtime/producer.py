@@ -20,7 +20,16 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from akv.backends import mem_type
-from akv.errors import AkvError, ClosedError, ConfigError, HandshakeError, ProtocolError
+from akv.errors import (
+    AkvError,
+    AuthenticationError,
+    ClosedError,
+    ConfigError,
+    HandshakeError,
+    IncompatiblePeerError,
+    ProtocolError,
+    RefusedError,
+)
 from akv.exposure import ExposureTable
 from akv.geometry.cache import CacheSpec
 from akv.geometry.spec import KVSpec
@@ -211,21 +220,32 @@ class Producer(RankBase):
             tp_size=self.tp_size,
             endpoint=str(self.endpoint),
             compat=self.cache.compat_hash(),
+            spec=self.cache,
         )
         started, warned, delay = False, False, 0.1
         while True:
             try:
-                engine = await register_rank(bootstrap, msg, secret=self.server.secret)
-            except HandshakeError as exc:
-                refused = "refused" in str(exc)
-                if refused and not started:
-                    raise ConfigError(f"rank {self.tp_rank}: the bootstrap at {bootstrap} {exc}") from None
+                reply = await register_rank(bootstrap, msg, secret=self.server.secret)
+            except IncompatiblePeerError as exc:  # refusals are told apart by type, never by wording
+                if not started:
+                    raise IncompatiblePeerError(
+                        f"rank {self.tp_rank}: the bootstrap at {bootstrap}: {exc}", exc.fields
+                    ) from None
+                self._log.warning("the bootstrap refuses this rank", error=str(exc))
+                warned = True
+            except (RefusedError, AuthenticationError) as exc:
+                if not started:
+                    raise ConfigError(f"rank {self.tp_rank}: the bootstrap at {bootstrap}: {exc}") from None
+                self._log.warning("the bootstrap refuses this rank", error=str(exc))
+                warned = True
+            except HandshakeError as exc:  # unreachable, busy, timed out: try again
                 if not warned:
                     self._log.warning("cannot register with the bootstrap; retrying", error=str(exc))
                 warned = True
             else:
                 if not self._named:
-                    self.engine_id = engine
+                    self.engine_id = reply.engine_id
+                self.server.learned_instance = reply.instance_id
                 if warned:
                     self._log.info("registered with the bootstrap again", bootstrap=str(bootstrap))
                 warned, delay = False, REGISTER_EVERY_S
@@ -292,14 +312,24 @@ class Producer(RankBase):
         block_ids: Sequence[int] | npt.ArrayLike | Mapping[str, Sequence[int]],
         *,
         lease: float | None = None,
-    ) -> None:
-        """Pin a request's blocks until read by every expected decode rank or the lease ends.
+        generation: int | None = None,
+    ) -> int:
+        """Pin a request's blocks until read by every expected decode rank or the lease ends;
+        returns the exposure's generation.
+
+        The generation tells this exposure apart from any other of the same request id (one
+        after a release or a lease expiry, one by a restarted rank): a pull given it
+        (``PullRequest.generation``) fails with [`ReexposedError`][akv.errors.ReexposedError]
+        if the request was exposed again before its reads completed, and its notice does not
+        count as a read of the new exposure.
 
         Args:
             request_id: the request's id, unique among this rank's exposed requests.
             block_ids: the blocks holding its KV on this rank (at least one): a flat list for
                 a one-group cache, else ``{group name: ids}`` (state groups: one slot).
             lease: seconds it stays pinned without being read (default: the producer's).
+            generation: the generation to use, in ``[1, 2**31)``, for an engine that announces
+                one generation for all its ranks (default: this rank's next).
 
         Raises:
             BlockIdError: bad block ids, or none: a request with nothing to pull needs no
@@ -310,8 +340,9 @@ class Producer(RankBase):
         if not self.running:
             raise ClosedError("the producer is not running")
         ids = self.cache.flatten(self.cache.per_group(block_ids, f"request {request_id!r}"))
-        self.ledger.expose(request_id, ids, time.monotonic(), lease)
+        generation = self.ledger.expose(request_id, ids, time.monotonic(), lease, generation)
         self._backoff.wake()
+        return generation
 
     def extend(self, request_id: str, seconds: float | None = None) -> None:
         """Push the lease deadline of ``request_id`` to now + ``seconds`` (default: its lease)."""

@@ -23,8 +23,10 @@ import numpy.typing as npt
 from akv import exposure
 from akv.errors import (
     AkvError,
+    BackPressureError,
     ClosedError,
     ConfigError,
+    EngineChangedError,
     HandshakeError,
     IncompatiblePeerError,
     MissingRanksError,
@@ -79,12 +81,22 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
         num_tokens: the request's tokens (> 0). Default: every listed block is full and read
             whole. Give it when the last block is partly filled and the engines' block sizes
             differ, and for sliding-window groups to read only the window's blocks.
+        lease_s: the lease the request was exposed with (``RequestInfo.lease_s``, the
+            ``lease`` given to ``expose``): while the pull runs, the consumer renews it every
+            third of it. Default: the prefill engine's default lease.
+        generation: the exposure's generation (``RequestInfo.generation``, what ``expose``
+            returned; with several prefill ranks, one the engine passed to every rank's
+            ``expose``): the pull is bound to that exposure and fails with
+            [`ReexposedError`][akv.errors.ReexposedError] if the request was released and
+            exposed again before its reads completed. 0: not bound to a generation.
     """
 
     request_id: str
     local_block_ids: Sequence[int] | npt.NDArray[np.integer[Any]] | Mapping[str, Sequence[int]]
     remote_block_ids: Sequence[int] | npt.NDArray[np.integer[Any]] | Mapping[str, Sequence[int]]
     num_tokens: int | None = None
+    lease_s: float | None = None
+    generation: int = 0
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -135,6 +147,7 @@ class Transfer:
         self.state = state
         self.op = op  # the transfer on its path
         self.notify = notify  # prefill ranks notified once it is done (a read's carry their notice)
+        self.generation = 0  # the exposure generation the pull is bound to (0: none)
         self._event: anyio.Event | None = None  # created only if someone waits unfinished
         self._result: TransferResult | None = None
         self._error: AkvError | None = None
@@ -218,6 +231,7 @@ class RankLink:
     local: LocalRank | None = None  # the rank itself, if it lives in this process
     broken: bool = False
     loading: anyio.Event | None = None
+    dropped: bool = False  # its reference to the remote agent was given back
 
 
 class TransferSession:
@@ -237,6 +251,7 @@ class TransferSession:
         self.endpoint = str(address)
         self.log = consumer.log.bind(engine_address=self.endpoint)
         self.remote_engine_id = ""
+        self.remote_instance = ""  # the engine's incarnation (Challenge.instance_id), once known
         self.remote_spec: CacheSpec | None = None
         self.prefill_tp = 0
         self.lease_s = 0.0
@@ -358,7 +373,30 @@ class TransferSession:
                     f"the ranks at {addr} are not one engine: {ch.engine_id!r} of TP size {ch.tp_size} "
                     f"answered where {challenges[0].engine_id!r} of TP size {tp} was expected"
                 )
+        self._check_same_engine(challenges)
         return challenges[0], infos
+
+    def _check_same_engine(self, challenges: list[Challenge]) -> None:
+        """Refuse (before adopting any metadata) ranks of another engine, or of another
+        incarnation of it, than the one this session linked to first."""
+        ids = sorted({ch.instance_id for ch in challenges if ch.instance_id})
+        engine = challenges[0].engine_id
+        if len(ids) > 1:
+            raise HandshakeError(f"the ranks at {self.address} are not one engine: instances {ids}")
+        if self.remote_engine_id and engine != self.remote_engine_id:
+            raise EngineChangedError(
+                f"engine {engine!r} now answers at {self.address}, where this session linked to "
+                f"{self.remote_engine_id!r}: connect again for a session to it",
+                "engine_id",
+            )
+        if self.remote_instance and ids and ids[0] != self.remote_instance:
+            raise EngineChangedError(
+                f"engine {engine!r} at {self.address} was restarted (instance {ids[0]}, this session "
+                f"linked to instance {self.remote_instance}): connect again for a session to it",
+                "instance_id",
+            )
+        if ids:
+            self.remote_instance = ids[0]
 
     async def _from_bootstrap(
         self, bootstrap: Endpoint, ranks: set[int] | None
@@ -520,7 +558,9 @@ class TransferSession:
         if backend is not None:
             if link.check is not None:
                 backend.release_dlist(link.check.dlist)
-            backend.remove_remote(link.agent)
+            if not link.dropped:  # one reference per link: the agent may serve other sessions
+                backend.remove_remote(link.agent)
+        link.dropped = True
         link.check = None
         link.local = None
         link.broken = True
@@ -579,11 +619,11 @@ class TransferSession:
         clears that but a successful handshake). A rank that went away does not always show
         as PeerLostError (NIXL may just report the transfer in error), so any transfer error
         counts, except a timeout (the peer may only be slow, and a handshake with a hung peer
-        would just time out too), a failed exposure check (the link is fine) and a failure
-        that is no rank's (``rank`` None: e.g. every exposure-check slot busy)."""
+        would just time out too), a failed exposure check and back-pressure (the link is fine),
+        and a failure that is no rank's (``rank`` None)."""
         if rank is None or not isinstance(error, TransferError):
             return
-        if isinstance(error, (TransferTimeout, UnsafeReadError)):
+        if isinstance(error, (TransferTimeout, UnsafeReadError, BackPressureError)):
             return
         link = self.links.get(rank)
         if link is not None:
@@ -627,6 +667,8 @@ class TransferSession:
         c = self.consumer
         if not isinstance(request.request_id, str) or not request.request_id:
             raise ConfigError(f"request_id must be a non-empty string, got {request.request_id!r}")
+        if request.lease_s is not None and not 0 < request.lease_s < float("inf"):
+            raise ConfigError(f"lease_s must be a finite number of seconds > 0, got {request.lease_s}")
         if self.closed or c.closed:
             raise ClosedError("the session is closed")
         if self.plan is None:
@@ -647,12 +689,14 @@ class TransferSession:
         prepared = plan.prepare(
             request.request_id, request.local_block_ids, request.remote_block_ids, request.num_tokens
         )
-        notice = self.done_notice(request.request_id, prepared.remote_ids)
+        notice = self.done_notice(request.request_id, prepared.remote_ids, request.generation)
         timeout = c.transfer_timeout if transfer_timeout is None else transfer_timeout
-        heartbeat = self.lease_s / 3 if self.lease_s > 0 else 0.0
+        lease = request.lease_s if request.lease_s else self.lease_s  # the exposure's own lease
+        heartbeat = lease / 3 if lease > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
-        op, notify = self._launch(prepared, request.request_id, notice)
+        op, notify = self._launch(prepared, request.request_id, notice, request.generation)
         transfer = Transfer(self, request.request_id, prepared, notice, state, op, notify)
+        transfer.generation = request.generation
         self.transfers.add(transfer)
         c.track(transfer)
         return transfer
@@ -666,14 +710,18 @@ class TransferSession:
             return "copy"
         return "read"
 
-    def _launch(self, prepared: Prepared, request_id: str, notice: bytes) -> tuple[PathOp, tuple[int, ...]]:
+    def _launch(
+        self, prepared: Prepared, request_id: str, notice: bytes, generation: int
+    ) -> tuple[PathOp, tuple[int, ...]]:
         """Start a prepared request on its path; returns the op and the ranks to notify once done."""
         c = self.consumer
         plan = self.plan
         assert plan is not None
         if self.path_for(prepared) == "copy":
             assert self.copier is not None
-            launched = self.copier.launch(prepared, request_id, plan.notify, check=c.verify_exposure)
+            launched = self.copier.launch(
+                prepared, request_id, plan.notify, check=c.verify_exposure, generation=generation
+            )
             if isinstance(launched, Failed):
                 c.metrics.inc("transfers_failed")
                 raise launched.error
@@ -693,6 +741,7 @@ class TransferSession:
             notice=notice,
             checks=checks,
             pool=c.checks if c.verify_exposure else None,
+            generation=generation,
         )
         failed = read.start()
         if failed is not None:
@@ -702,12 +751,12 @@ class TransferSession:
             raise failed.error
         return read, prepared.standalone
 
-    def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32]) -> bytes:
-        """The "done" notice of a request, with the digest of its prefill block ids."""
+    def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32], generation: int = 0) -> bytes:
+        """The "done" notice of a request, with the digest of its prefill block ids (and the
+        exposure generation the pull is bound to)."""
         c = self.consumer
-        return encode_notice(
-            Notice("done", c.engine_id, c.tp_rank, c.tp_size, [request_id], [exposure.digest(remote_all)])
-        )
+        digest, gens = [exposure.digest(remote_all)], [generation] if generation else []
+        return encode_notice(Notice("done", c.engine_id, c.tp_rank, c.tp_size, [request_id], digest, gens))
 
     def notify(self, ranks: Sequence[int], notice: bytes) -> None:
         """Send a notice to prefill ranks; a failure only logs (the rank releases by lease)."""

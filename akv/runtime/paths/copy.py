@@ -121,7 +121,7 @@ class CopyPlan:
         return all(r in self.remote for r in ranks)
 
     def launch(
-        self, prepared: Prepared, request_id: str, notify: Sequence[int], *, check: bool
+        self, prepared: Prepared, request_id: str, notify: Sequence[int], *, check: bool, generation: int = 0
     ) -> LocalCopy | Failed:
         """Copy a prepared request's runs (on CUDA: queue them); the op completes the pull."""
         import torch
@@ -138,13 +138,11 @@ class CopyPlan:
                 return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
             if prepared.bytes <= self.inline_bytes:  # no thread hop, no GIL ping-pong with the poller
                 _memmove_runs(runs, None)
-                return LocalCopy(
-                    [], checks, request_id, prepared.remote_ids, prepared.read_ids, tuple(notify)
-                )
+                return LocalCopy([], checks, request_id, prepared, tuple(notify), generation)
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="akv-copy")
             job = self._worker.submit(_memmove_runs, runs, (self.rows, self.remote))
-            return LocalCopy([job], checks, request_id, prepared.remote_ids, prepared.read_ids, tuple(notify))
+            return LocalCopy([job], checks, request_id, prepared, tuple(notify), generation)
         streams: set[Any] = set()
         try:
             for op, li, ri in prepared.posts:
@@ -157,7 +155,7 @@ class CopyPlan:
                 events.append(event)
         except (RuntimeError, ValueError, IndexError) as exc:
             return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
-        return LocalCopy(events, checks, request_id, prepared.remote_ids, prepared.read_ids, tuple(notify))
+        return LocalCopy(events, checks, request_id, prepared, tuple(notify), generation)
 
     def close(self) -> None:
         """Stop the copy worker once its queued copies are done."""
@@ -321,15 +319,16 @@ class LocalCopy:
         events: list[Any],
         checks: list[tuple[int, LocalRank]] | None,
         request_id: str,
-        remote_ids: npt.NDArray[np.int32],
-        read_ids: npt.NDArray[np.int32],
+        prepared: Prepared,
         notify: tuple[int, ...],
+        generation: int = 0,
     ) -> None:
         self.events = events
         self.checks = checks
         self.request_id = request_id
-        self.remote_ids = remote_ids
-        self.read_ids = read_ids
+        self.remote_ids = prepared.remote_ids
+        self.read_ids = prepared.read_ids
+        self.generation = generation
         self.notify = notify  # every prefill rank to notify: a copy carries no notice
 
     @property
@@ -353,7 +352,12 @@ class LocalCopy:
             for rank, local in self.checks:
                 bucket = local.table[h % local.buckets].copy()
                 error = exposure.verify(
-                    bucket, self.request_id, self.remote_ids, prefill_rank=rank, read_ids=self.read_ids
+                    bucket,
+                    self.request_id,
+                    self.remote_ids,
+                    prefill_rank=rank,
+                    read_ids=self.read_ids,
+                    generation=self.generation,
                 )
                 if error is not None:
                     return Failed(error, notify=tuple(r for r, _ in self.checks))

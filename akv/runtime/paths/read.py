@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from akv import exposure
 from akv.backends import Backend, DlistHandle, Reaper, XferHandle
-from akv.errors import ConfigError, PeerLostError, TransferError
+from akv.errors import BackPressureError, ConfigError, PeerLostError, TransferError
 from akv.runtime.paths import Failed, Outcome, PathName, Pending
 
 __all__ = ["CheckPool", "NixlRead", "RankCheck", "ReadPost"]
@@ -39,9 +39,11 @@ class CheckPool:
         return np.array([[self.array.ctypes.data, size, 0, size, len(self.array)]], dtype=np.int64)
 
     def acquire(self) -> int:
-        """A free slot; [`TransferError`][akv.errors.TransferError] if every one is in use."""
+        """A free slot; [`BackPressureError`][akv.errors.BackPressureError] if every one is in use."""
         if not self._free:
-            raise TransferError(f"{len(self.array)} exposure checks already in flight: raise max_checks")
+            raise BackPressureError(
+                f"{len(self.array)} exposure checks already in flight: pull again later, or raise max_checks"
+            )
         slot = self._free.pop()
         self.array[slot, :, 0] = 0
         return slot
@@ -88,6 +90,7 @@ class NixlRead:
         notice: bytes,
         checks: Mapping[int, RankCheck | None] | None,
         pool: CheckPool | None,
+        generation: int = 0,
     ) -> None:
         self.backend = backend
         self.reaper = reaper
@@ -98,6 +101,7 @@ class NixlRead:
         self.notice = notice
         self.checks = checks
         self.pool = pool
+        self.generation = generation  # the exposure generation the pull is bound to (0: none)
         self.checking = False
         self._pending: dict[XferHandle, int] = {}
         self._slots: dict[int, int] = {}  # prefill rank -> check slot
@@ -155,7 +159,7 @@ class NixlRead:
                 return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
             try:
                 slot = self.pool.acquire()
-            except TransferError as exc:
+            except BackPressureError as exc:
                 return Failed(exc)
             self._slots[rank] = slot
             try:
@@ -180,6 +184,7 @@ class NixlRead:
                 self.remote_ids,
                 prefill_rank=rank,
                 read_ids=self.read_ids,
+                generation=self.generation,
             )
             if error is not None:
                 return error
