@@ -8,7 +8,33 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==${AKV_TORCH_VERSION:-2.13.0}"
+
+# CPU or CUDA builds: an NVIDIA GPU present (nvidia-smi lists one) means the CUDA builds of
+# torch and NIXL, anything else the CPU build of torch (AKV_DEVICE=cpu|cuda overrides the
+# guess; AKV_TORCH_INDEX=URL installs torch from that index, e.g. PyTorch's CPU one).
+DEVICE=${AKV_DEVICE:-}
+if [ -z "$DEVICE" ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+        DEVICE=cuda
+    else
+        DEVICE=cpu
+    fi
+fi
+TORCH="torch==${AKV_TORCH_VERSION:-2.13.0}"
+INDEX=()
+[ -n "${AKV_TORCH_INDEX:-}" ] && INDEX=(--index-url "$AKV_TORCH_INDEX")
+if [ "$DEVICE" = "cuda" ] && [ ! -f .venv/.akv-device ]; then
+    echo "setup: NVIDIA GPU found: installing the CUDA builds of torch and NIXL (AKV_DEVICE=cpu for CPU builds)" >&2
+fi
+.venv/bin/python -m pip install -q "${INDEX[@]}" "$TORCH"
+BUILD=$(.venv/bin/python -c 'import torch; print("CUDA " + torch.version.cuda if torch.version.cuda else "CPU")')
+if [ ! -f .venv/.akv-device ] || [ "$(cat .venv/.akv-device)" != "$DEVICE $BUILD" ]; then
+    echo "setup: $DEVICE machine: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)') ($BUILD build)" >&2
+    echo "$DEVICE $BUILD" > .venv/.akv-device
+fi
+if [ "$DEVICE" = "cuda" ] && [ "$BUILD" = "CPU" ]; then
+    echo "setup: warning: a GPU is present but torch is a CPU build: set AKV_TORCH_INDEX to a CUDA index" >&2
+fi
 .venv/bin/python -m pip install -q -e ".[test,models]"
 
 # etcd server binary for tests/test_discovery.py (started by the tests on free loopback ports).

@@ -1,17 +1,24 @@
-"""End-to-end pulls on CUDA tensors (VRAM). Run with ``nox -s gpu``; skipped without CUDA."""
+"""Pulls on CUDA tensors (VRAM). Run with ``nox -s gpu``; skipped where CUDA is absent.
+
+Across two processes (an ``akv prefill --device cuda`` engine, one process per rank, and
+decode ranks of this process) the bytes move by NIXL READs of VRAM; within one process by
+the copy path (torch on the device). Every TP pairing kind (1->2, 2->1, MLA, a hybrid preset,
+mixed layouts and block sizes) must verify bit-exact and release by read on both.
+"""
 
 from __future__ import annotations
 
 from contextlib import AsyncExitStack
+from typing import Any
 
-import anyio
-import numpy as np
 import pytest
 import torch
 
 import akv
-from akv.testing import expected_blocks
+from akv.geometry.cache import as_cache
+from akv.testing import fetch_requests, json_lines, local_counts, spawn_prefill, verify_request
 from tests.conftest import make_spec
+from tests.test_paths import PAIRS, pull_everything
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,40 +27,99 @@ pytestmark = [
 ]
 
 
-def region_bytes(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    return t.view(torch.uint8).view(num_blocks, -1)
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
 
 
-@pytest.mark.parametrize(
-    ("p", "d", "h", "mla"), [(1, 1, 4, False), (2, 4, 4, False), (4, 2, 8, False), (2, 1, 1, True)]
-)
-async def test_vram_pull_bit_exact(p: int, d: int, h: int, mla: bool) -> None:
-    """Prefill and decode caches in VRAM: every TP relation verifies bit-exact and releases by read."""
-    spec = make_spec(kv_heads=h, mla=mla, num_blocks=64, block_size=16, head_dim=64)
-    released: list[akv.Release] = []
-    async with anyio.create_task_group() as tg, AsyncExitStack() as stack:
-        server = akv.ControlServer()
-        endpoint = await tg.start(server.serve)
-        for r in range(p):
-            kv = akv.allocate_kv_cache(spec, r, p, device="cuda")
-            for region, t in enumerate(kv):
-                region_bytes(t, spec.num_blocks)[:8] = torch.from_numpy(
-                    expected_blocks(spec, r, p, region, 5, np.arange(8))
-                ).cuda()
-            prod = await stack.enter_async_context(
-                akv.Producer(kv, spec, tp_rank=r, tp_size=p, server=server, on_release=released.append)
-            )
-            prod.expose("g", list(range(8)))
-        for r in range(d):
-            kv = akv.allocate_kv_cache(spec, r, d, device="cuda")
-            consumer = await stack.enter_async_context(akv.Consumer(kv, spec, tp_rank=r, tp_size=d))
-            session = await consumer.connect(endpoint)
-            await (await session.pull("g", list(range(20, 28)), list(range(8))))
-            for region, t in enumerate(kv):
-                got = region_bytes(t, spec.num_blocks)[20:28].cpu().numpy()
-                np.testing.assert_array_equal(got, expected_blocks(spec, r, d, region, 5, np.arange(8)))
-        with anyio.fail_after(5):
-            while len(released) < p:
-                await anyio.sleep(0.01)
-        assert {rel.reason for rel in released} == {"read"}
-        tg.cancel_scope.cancel()
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+async def test_vram_copy_path_in_one_process(pspec: Any, dspec: Any, p: int, d: int) -> None:
+    """Prefill and decode ranks of one process on the GPU: the copy path, bit-exact, released by read."""
+    results, engine = await pull_everything(pspec, dspec, p, d, "auto", device="cuda")
+    assert {r.path for r in results} == {"copy"}
+    assert {reason for _, reason in engine.releases} == {"read"}
+    assert set(engine.releases.values()) == {p}
+
+
+def _model_argv(spec: Any) -> list[str]:
+    """``akv prefill`` flags for a spec (a --config file is not needed for these)."""
+    cache = as_cache(spec)
+    g = cache.groups[0]
+    if isinstance(spec, akv.KVSpec):
+        return [
+            *(["--mla"] if spec.kind == "mla" else ["--kv-heads", str(spec.kv_heads)]),
+            "--head-dim",
+            str(spec.head_dim),
+            "--layers",
+            str(spec.layers),
+            "--block-size",
+            str(spec.block_size),
+            "--dtype",
+            spec.dtype,
+            "--layout",
+            spec.layout,
+        ]
+    raise AssertionError(f"no flags for {g}")
+
+
+CROSS = [
+    pytest.param(make_spec(kv_heads=4, block_size=16, head_dim=64, num_blocks=64), 1, 2, None, id="1to2"),
+    pytest.param(make_spec(kv_heads=4, block_size=16, head_dim=64, num_blocks=64), 2, 1, None, id="2to1"),
+    pytest.param(make_spec(mla=True, block_size=16, head_dim=64, num_blocks=64), 2, 1, None, id="mla-2to1"),
+    pytest.param(
+        make_spec(kv_heads=8, block_size=16, head_dim=64, num_blocks=64, layout="head-major"),
+        2,
+        4,
+        make_spec(kv_heads=8, block_size=32, head_dim=64, num_blocks=32),
+        id="headmajor16-to-hnd32",
+    ),
+]
+
+
+@pytest.mark.parametrize(("pspec", "p", "d", "dspec"), CROSS)
+async def test_vram_reads_across_processes(pspec: Any, p: int, d: int, dspec: Any) -> None:
+    """Prefill ranks in their own processes on the GPU, decode here: NIXL READs of VRAM, bit-exact."""
+    dspec = dspec or pspec
+    proc, endpoint = spawn_prefill(
+        "--tp-size", str(p), "--device", "cuda", "--requests", "3", "--blocks-per-request", "4",
+        "--lease", "60", "--timeout", "120", "--blocks", str(as_cache(pspec).groups[0].num_blocks),
+        *_model_argv(pspec),
+    )  # fmt: skip
+    try:
+        async with AsyncExitStack() as stack:
+            consumers = [
+                await stack.enter_async_context(
+                    akv.Consumer(
+                        akv.allocate_kv_cache(dspec, r, d, device="cuda"),
+                        dspec,
+                        tp_rank=r,
+                        tp_size=d,
+                        engine_id="gpu-decode",
+                    )
+                )
+                for r in range(d)
+            ]
+            sessions = [await c.connect(endpoint) for c in consumers]
+            requests = await fetch_requests(endpoint, dspec, None, "gpu-decode")
+            for n, req in enumerate(requests):
+                count = local_counts(dspec, req.num_tokens)[as_cache(dspec).groups[0].name]
+                local = list(range(n * 8, n * 8 + count))
+                for r, (c, s) in enumerate(zip(consumers, sessions, strict=True)):
+                    pr = akv.PullRequest(
+                        request_id=req.request_id,
+                        local_block_ids=local,
+                        remote_block_ids=req.block_ids,
+                        num_tokens=req.num_tokens,
+                    )
+                    result = await (await s.pull(pr))
+                    assert result.path == "read"
+                    assert verify_request(
+                        c.kv_caches, dspec, r, d, local, req.seed, num_tokens=req.num_tokens
+                    )
+        out = proc.communicate(timeout=60)[0]
+        summary = [m for m in json_lines(out.splitlines()) if m.get("event") == "summary"][-1]
+        assert summary["released"] == summary["requests"] == 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

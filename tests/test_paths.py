@@ -39,7 +39,9 @@ class Prefill:
 
 
 @asynccontextmanager
-async def prefill_engine(spec: Any, tp: int, lease: float = 30.0) -> AsyncIterator[Prefill]:
+async def prefill_engine(
+    spec: Any, tp: int, lease: float = 30.0, device: str = "cpu"
+) -> AsyncIterator[Prefill]:
     """``tp`` prefill ranks of this process behind one control server."""
     async with AsyncExitStack() as stack:
         tg = await stack.enter_async_context(anyio.create_task_group())
@@ -54,7 +56,7 @@ async def prefill_engine(spec: Any, tp: int, lease: float = 30.0) -> AsyncIterat
             engine.producers.append(
                 await stack.enter_async_context(
                     akv.Producer(
-                        akv.allocate_kv_cache(spec, r, tp),
+                        akv.allocate_kv_cache(spec, r, tp, device=device),
                         spec,
                         tp_rank=r,
                         tp_size=tp,
@@ -69,14 +71,21 @@ async def prefill_engine(spec: Any, tp: int, lease: float = 30.0) -> AsyncIterat
 
 
 async def pull_everything(
-    pspec: Any, dspec: Any, p: int, d: int, same_process: str, requests: int = 3, inline: int = 128 << 20
+    pspec: Any,
+    dspec: Any,
+    p: int,
+    d: int,
+    same_process: str,
+    requests: int = 3,
+    inline: int = 128 << 20,
+    device: str = "cpu",
 ) -> tuple[list[akv.TransferResult], Prefill]:
     """Expose ``requests`` requests on a P-rank engine, pull each on every one of D decode
     ranks (every other one after a one-block prefix hit), verify every byte read."""
     cache = as_cache(pspec)
     reqs = make_requests(pspec, requests, 3, seed=7)
     results = []
-    async with prefill_engine(pspec, p) as engine, AsyncExitStack() as stack:
+    async with prefill_engine(pspec, p, device=device) as engine, AsyncExitStack() as stack:
         for req in reqs:
             for prod in engine.producers:
                 fill_request(prod.kv_caches, pspec, prod.tp_rank, p, req.block_ids, req.seed, req.num_tokens)
@@ -84,7 +93,7 @@ async def pull_everything(
         for r in range(d):
             consumer = await stack.enter_async_context(
                 akv.Consumer(
-                    akv.allocate_kv_cache(dspec, r, d),
+                    akv.allocate_kv_cache(dspec, r, d, device=device),
                     dspec,
                     tp_rank=r,
                     tp_size=d,
