@@ -111,3 +111,23 @@ def test_cli_hf_config_plans_as_the_preset() -> None:
     assert both.returncode == 64 and both.stderr.count("\n") == 1 and "exclude each other" in both.stderr
     odd = akv_cli("prefill", "--tp-size", "3", "--hf-config", str(CONFIGS / "llama-3.1-8b.json"))
     assert odd.returncode == 64 and odd.stderr.count("\n") == 1 and "--tp-size 3" in odd.stderr
+
+
+def test_bench_takes_a_hf_config_as_it_takes_a_preset() -> None:
+    """`akv bench --hf-config` plans the workloads of the matching preset; with --preset it exits 64."""
+    from akv.bench.run import preset_workloads
+
+    path = str(CONFIGS / "qwen3-next-80b.json")
+    by_config, pairs_config = preset_workloads("qwen3_next", path)
+    by_preset, pairs_preset = preset_workloads("qwen3-next-80b")
+    assert [(w.prefill_tp, w.decode_tp, w.layout) for w in by_config] == [
+        (w.prefill_tp, w.decode_tp, w.layout) for w in by_preset
+    ]
+    assert [p[2:] for p in pairs_config] == [p[2:] for p in pairs_preset]
+    out = subprocess.run(
+        [sys.executable, "-m", "akv", "bench", "--preset", "llama-3.1-8b", "--hf-config", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 64 and "exclude each other" in out.stderr

@@ -72,6 +72,7 @@ class Workload:
     layers: int = 0  # 0: the run's
     pool: int = 512  # blocks in each prefill rank's pool (the decode pool holds as many bytes)
     preset: str = ""  # a model preset (akv.presets) instead of kv_heads / mla
+    hf_config: str = ""  # a model's Hugging Face config.json (akv.presets.from_hf_config) instead
 
 
 def _hetero_tp() -> tuple[tuple[Workload, ...], tuple[tuple[str, str, str, bool], ...]]:
@@ -140,14 +141,19 @@ def _specs(w: Workload, layers: int) -> tuple[Any, Any]:
 
     layers = w.layers or layers
     decode_bs = w.decode_block_size or w.block_size
-    if w.preset:
-        from akv.presets import preset
+    if w.preset or w.hf_config:
+        from akv.presets import from_hf_config, preset
+
+        def model(**kw: Any) -> Any:
+            return (
+                from_hf_config(w.hf_config, layers=layers, **kw)
+                if w.hf_config
+                else preset(w.preset, layers=layers, **kw)
+            )
 
         return (
-            preset(w.preset, layers=layers, blocks=w.pool, block_size=w.block_size, layout=w.layout),
-            preset(
-                w.preset,
-                layers=layers,
+            model(blocks=w.pool, block_size=w.block_size, layout=w.layout),
+            model(
                 blocks=max(1, w.pool * w.block_size // decode_bs),
                 block_size=decode_bs,
                 layout=w.decode_layout or w.layout,
@@ -208,7 +214,7 @@ def _start_prefill(
 def _requests(w: Workload, prefill: Any, decode: Any, rng: np.random.Generator) -> list[tuple[str, Any, Any]]:
     """(request id, decode block ids, prefill block ids): the same tokens on both sides."""
     out: list[tuple[str, Any, Any]] = []
-    if w.preset:  # per group: the blocks (or state slot) of the same tokens on both sides
+    if w.preset or w.hf_config:  # per group: the blocks (or state slot) of the same tokens on both sides
         from akv.testing import local_counts
 
         for i in range(w.requests):
@@ -806,13 +812,16 @@ def _comparisons(figures: list[Figures], pairs: tuple[tuple[str, str, str, bool]
     }
 
 
-def preset_workloads(name: str) -> tuple[tuple[Workload, ...], tuple[tuple[str, str, str, bool], ...]]:
-    """A preset's hybrid cache at the TP pairs it shards to, per-layer HND against head-major
-    (every group: attention, sliding window, MLA and state alike); the (HND, head-major) pairs."""
+def preset_workloads(
+    name: str, hf_config: str = ""
+) -> tuple[tuple[Workload, ...], tuple[tuple[str, str, str, bool], ...]]:
+    """A preset's (or, with ``hf_config``, a Hugging Face config's) hybrid cache at the TP pairs
+    it shards to, per-layer HND against head-major (every group: attention, sliding window,
+    MLA and state alike); the (HND, head-major) pairs."""
     from akv.errors import ConfigError
-    from akv.presets import preset
+    from akv.presets import from_hf_config, preset
 
-    cache = preset(name, layers=8)
+    cache = from_hf_config(hf_config, layers=8) if hf_config else preset(name, layers=8)
     out: list[Workload] = []
     pairs: list[tuple[str, str, str, bool]] = []
     for p, d in ((1, 2), (2, 1), (2, 4), (4, 2)):
@@ -823,19 +832,38 @@ def preset_workloads(name: str) -> tuple[tuple[Workload, ...], tuple[tuple[str, 
             continue
         names = [f"{name}_{prefix}_{p}->{d}" for prefix in ("hnd", "headmajor")]
         for n, layout in zip(names, ("HND", "head-major"), strict=True):
-            out.append(Workload(n, p, d, preset=name, layout=layout, blocks=(32, 32), requests=12, pool=64))
+            out.append(
+                Workload(
+                    n,
+                    p,
+                    d,
+                    preset="" if hf_config else name,
+                    hf_config=hf_config,
+                    layout=layout,
+                    blocks=(32, 32),
+                    requests=12,
+                    pool=64,
+                )
+            )
         pairs.append((names[0], names[1], f"{p}->{d}", True))
     return tuple(out), tuple(pairs)
 
 
 async def run_bench(
-    quick: bool, progress: Callable[[str], None], preset: str | None = None, device: str = "cpu"
+    quick: bool,
+    progress: Callable[[str], None],
+    preset: str | None = None,
+    device: str = "cpu",
+    hf_config: str | None = None,
 ) -> dict[str, Any]:
     """Run every workload (or, with ``preset``, that model's), the same-process workload and
     the poller and table figures; returns the JSON summary. ``device``: cpu, cuda or cuda:N
     (the caches of both sides of each pairing there)."""
     layers = 8 if quick else 16
-    workloads, pairs = (WORKLOADS, _HEADMAJOR_PAIRS) if preset is None else preset_workloads(preset)
+    if hf_config:
+        workloads, pairs = preset_workloads(_config_name(hf_config), hf_config)
+    else:
+        workloads, pairs = (WORKLOADS, _HEADMAJOR_PAIRS) if preset is None else preset_workloads(preset)
     figures = []
     for w in workloads:
         if not quick:
@@ -846,7 +874,7 @@ async def run_bench(
     poller = await _poller_figures(2.0 if quick else 5.0)
     progress("table preparation")
     table = _table_prep_fresh(10_000 if quick else 100_000)
-    small = "small_concurrent" if preset is None else figures[0].name
+    small = "small_concurrent" if preset is None and not hf_config else figures[0].name
     launch_akv = [x for f in figures if f.name == small for x in f.launch_akv_us]
     launch_nixl = [x for f in figures if f.name == small for x in f.launch_nixl_us]
     return {
@@ -933,6 +961,18 @@ def _print_table(summary: dict[str, Any]) -> None:
     print(f"table preparation: {summary['table_prep']}")
 
 
+def _config_name(path: str) -> str:
+    """A workload name for a config file: its model type, else the file's name."""
+    try:
+        with open(path, "rb") as f:
+            config = json.loads(f.read())
+        text = config.get("text_config", config) if isinstance(config, dict) else {}
+        name = str(text.get("model_type") or config.get("model_type") or "")
+    except (OSError, ValueError, AttributeError):
+        name = ""
+    return name or os.path.splitext(os.path.basename(path))[0]
+
+
 def check_plot(path: str) -> None:
     """Before running: ``--plot`` needs matplotlib and a directory to write into."""
     from akv.errors import ConfigError
@@ -989,6 +1029,11 @@ def add_bench_parser(sub: Any) -> None:
         "layers) at the TP pairs it shards to, per-layer HND against head-major",
     )
     p.add_argument(
+        "--hf-config",
+        metavar="FILE.json",
+        help="like --preset, for the cache a model's own Hugging Face config.json describes",
+    )
+    p.add_argument(
         "--plot",
         metavar="FILE.png",
         help="also draw bandwidth per workload and method (needs matplotlib: pip install 'akv[bench]')",
@@ -1004,6 +1049,7 @@ def add_bench_parser(sub: Any) -> None:
 
     def run(a: argparse.Namespace) -> int:
         from akv.cli.args import device_of, use_gpu_environment
+        from akv.errors import ConfigError
         from akv.testing import ProgressBar
 
         device = device_of(a)  # a one-line error (exit 64) without a usable GPU
@@ -1013,7 +1059,12 @@ def add_bench_parser(sub: Any) -> None:
         tty = sys.stderr.isatty()
         started = time.monotonic()
         # an unknown preset is a ConfigError naming the known ones, before anything starts
-        count = len(WORKLOADS) if not a.preset else len(preset_workloads(a.preset)[0])
+        if a.preset and a.hf_config:
+            raise ConfigError("--preset and --hf-config exclude each other: give one")
+        if a.hf_config:
+            count = len(preset_workloads(_config_name(a.hf_config), a.hf_config)[0])
+        else:
+            count = len(WORKLOADS) if not a.preset else len(preset_workloads(a.preset)[0])
         steps = 2 * count + 3  # warm-up and measurement per workload; same process; poller; tables
         bar = ProgressBar(tty, label="bench", width=24)
         done = [0]
@@ -1025,7 +1076,7 @@ def add_bench_parser(sub: Any) -> None:
             if not tty:
                 print(f"[{done[0]}/{steps}] {note}", file=sys.stderr, flush=True)
 
-        summary = anyio.run(run_bench, a.quick, progress, a.preset, str(device))
+        summary = anyio.run(run_bench, a.quick, progress, a.preset, str(device), a.hf_config)
         bar.close()
         summary["seconds"] = round(time.monotonic() - started, 1)
         if a.json:
