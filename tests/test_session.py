@@ -250,7 +250,11 @@ async def test_exhausted_check_slots_are_back_pressure_not_a_broken_link() -> No
     with BackPressureError; no rank is marked broken, and the next pulls succeed without a
     new handshake."""
     spec = make_spec()
-    async with prefill_engine(spec, 1) as engine, decode_engine(spec, 1, max_checks=1) as (consumer,):
+    # check slots belong to the NIXL read path: same_process="nixl" reads even from this process
+    async with (
+        prefill_engine(spec, 1) as engine,
+        decode_engine(spec, 1, max_checks=1, same_process="nixl") as (consumer,),
+    ):
         for i in range(10):
             engine.fill(f"r{i}", [i + 1], seed=i)
         session = await consumer.connect(engine.endpoint)
@@ -289,7 +293,9 @@ async def test_heartbeats_renew_with_the_exposures_own_lease() -> None:
     async with prefill_engine(spec, 1, lease=30) as engine:
         backend = HeldBackend("held-d0")
         kv = akv.allocate_kv_cache(spec, 0, 1)
-        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend) as consumer:
+        async with akv.Consumer(
+            kv, spec, tp_rank=0, tp_size=1, backend=backend, same_process="nixl"
+        ) as consumer:  # the read is held in NIXL's hands
             session = await consumer.connect(engine.endpoint)
             engine.fill("r", [1, 2], seed=4, lease=0.4)
             backend.hold_until = time.monotonic() + 1.5
@@ -315,7 +321,9 @@ async def test_a_pull_is_bound_to_the_exposure_it_started_under() -> None:
     async with prefill_engine(spec, 1, lease=30) as engine:
         backend = HeldBackend("held-gen-d0")
         kv = akv.allocate_kv_cache(spec, 0, 1)
-        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend) as consumer:
+        async with akv.Consumer(
+            kv, spec, tp_rank=0, tp_size=1, backend=backend, same_process="nixl"
+        ) as consumer:  # the read is held in NIXL's hands
             session = await consumer.connect(engine.endpoint)
             old = engine.fill("r", [1, 2], seed=1, lease=0.2)
             backend.hold_until = time.monotonic() + 1.0

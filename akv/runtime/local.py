@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ class LocalRank:
     agent_name: str
     tensors: tuple[torch.Tensor, ...]
     table: npt.NDArray[np.int64]  # (buckets, SLOTS, SLOT_WORDS)
+    deliver: Callable[[str, bytes], None]  # a notice from a decode agent of this process
 
     @property
     def buckets(self) -> int:
@@ -46,10 +47,16 @@ class LocalRank:
         return int(self.table.shape[0])
 
 
-def publish(agent_name: str, tensors: Sequence[torch.Tensor], table: npt.NDArray[np.int64]) -> None:
-    """Make a running prefill rank findable by decode ranks of this process."""
+def publish(
+    agent_name: str,
+    tensors: Sequence[torch.Tensor],
+    table: npt.NDArray[np.int64],
+    deliver: Callable[[str, bytes], None],
+) -> None:
+    """Make a running prefill rank findable by decode ranks of this process; ``deliver``
+    takes the notices they send it (sender agent name, notice), without NIXL."""
     with _lock:
-        _ranks[agent_name] = LocalRank(agent_name, tuple(tensors), table)
+        _ranks[agent_name] = LocalRank(agent_name, tuple(tensors), table, deliver)
 
 
 def withdraw(agent_name: str) -> None:

@@ -759,10 +759,18 @@ class TransferSession:
         return encode_notice(Notice("done", c.engine_id, c.tp_rank, c.tp_size, [request_id], digest, gens))
 
     def notify(self, ranks: Sequence[int], notice: bytes) -> None:
-        """Send a notice to prefill ranks; a failure only logs (the rank releases by lease)."""
+        """Send a notice to prefill ranks (handed over directly to ranks of this process); a
+        failure only logs (the rank releases by lease)."""
+        sent_nixl = False
         for rank in ranks:
             try:
-                self.consumer.backend.notify(self.links[rank].agent, notice)
+                link = self.links[rank]
+                here = link.local
+                if here is not None and local.alive(here):
+                    here.deliver(self.consumer.backend.name, notice)
+                else:
+                    self.consumer.backend.notify(link.agent, notice)
+                    sent_nixl = True
                 self.consumer.metrics.inc("notifications_sent")
             except (AkvError, KeyError) as exc:
                 self.log.warning(
@@ -770,7 +778,8 @@ class TransferSession:
                     prefill_rank=rank,
                     error=str(exc),
                 )
-        self.consumer.flush_notices()
+        if sent_nixl:
+            self.consumer.flush_notices()
 
     def extend(self, request_ids: Sequence[str]) -> None:
         """Send "extend" notices for ``request_ids`` to every prefill rank this rank notifies."""
