@@ -255,3 +255,41 @@ def test_process_exits_cleanly_after_a_read_to_a_killed_peer() -> None:
     assert "failed typed: PeerLostError" in res.stdout, res.stdout + res.stderr[-2000:]
     assert res.returncode == 0 and "exited cleanly" in res.stdout, res.stderr[-2000:]
     assert "Assertion" not in res.stdout + res.stderr
+
+
+async def test_pulls_waiting_on_a_lost_peer_fail_together() -> None:
+    """After a prefill engine dies, concurrent pulls needing it share one failed re-link and all
+    fail with a typed error in about the time of one attempt, not one attempt after another."""
+    spec = akv.KVSpec.create(layers=2, num_blocks=64, block_size=4, kv_heads=4, head_dim=16, dtype="float16")
+    with prefill_process(1, 4, requests=12) as (proc, endpoint):
+        async with akv.Consumer(
+            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, retries=1, connect_timeout=1.0
+        ) as consumer:
+            session = await consumer.connect(endpoint)
+            reqs = await fetch_requests(endpoint, spec, None, consumer.engine_id)
+            await (await session.pull(reqs[0].request_id, [0, 1, 2, 3], reqs[0].block_ids))
+            proc.kill()
+            proc.wait(10)
+            t0 = time.monotonic()
+            with pytest.raises(akv.AkvError):  # the lost peer shows on this pull (read or re-link)
+                await (await session.pull(reqs[1].request_id, [4, 5, 6, 7], reqs[1].block_ids))
+            one = time.monotonic() - t0
+            errors: list[BaseException] = []
+
+            async def pull(i: int) -> None:
+                try:
+                    await (
+                        await session.pull(
+                            reqs[i].request_id, [i * 4 + j for j in range(4)], reqs[i].block_ids
+                        )
+                    )
+                except akv.AkvError as exc:
+                    errors.append(exc)
+
+            t0 = time.monotonic()
+            async with anyio.create_task_group() as tg:
+                for i in range(2, 10):
+                    tg.start_soon(pull, i)
+            together = time.monotonic() - t0
+            assert len(errors) == 8, errors
+            assert together < 3 * max(one, 0.5), (one, together)

@@ -263,6 +263,7 @@ class TransferSession:
         self.transfers: set[Transfer] = set()
         self._loading: anyio.Event | None = None
         self._installing = anyio.Lock()  # one plan rebuild at a time
+        self._relink_failed: dict[int, tuple[anyio.Event, AkvError]] = {}  # rank -> failed attempt
         self._registry: Any = None  # an EtcdRegistry for etcd:// addresses
 
     @property
@@ -599,11 +600,18 @@ class TransferSession:
                 await self._install(challenge, infos)
                 self.consumer.metrics.inc("handshakes")
                 self.log.info("prefill ranks re-linked", ranks=todo)
-            except BaseException:
+            except BaseException as exc:
                 self.consumer.metrics.inc("handshakes_failed")
                 for r in todo:
                     if r in self.links:
                         self.links[r].loading = None
+                if isinstance(exc, AkvError):
+                    self.log.warning(
+                        "prefill ranks lost: the pulls needing them fail", ranks=todo, error=str(exc)
+                    )
+                    failure = (done, exc)
+                    for r in todo:
+                        self._relink_failed[r] = failure
                 raise
             finally:
                 done.set()
@@ -611,8 +619,12 @@ class TransferSession:
             if event is not None:
                 await event.wait()
         lost = [r for r in ranks if r in self.links and self.links[r].broken]
+        for r in lost:  # the attempt we waited for failed: fail with it, at once, not one by one
+            failed = self._relink_failed.get(r)
+            if failed is not None and failed[0] in waiting:
+                raise PeerLostError(f"prefill rank {r} is lost: linking it again failed: {failed[1]}")
         if lost and not todo:
-            await self.relink(lost)  # the other caller's attempt failed: try ourselves
+            await self.relink(lost)  # no attempt of another caller said why: try ourselves
 
     def mark_broken(self, error: AkvError, rank: int | None) -> None:
         """Note a failed read: the next pull needing that rank re-handshakes with it (nothing
