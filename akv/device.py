@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,12 +102,28 @@ def gpu_environment(environ: Mapping[str, str], cuda: bool) -> dict[str, str]:
     return {k: v for k, v in GPU_UCX_ENV.items() if k not in environ}
 
 
-def cuda_context(index: int | None) -> Any:
-    """A context manager making CUDA device ``index`` current in this thread for NIXL calls on
-    an agent that registered VRAM (UCX may not pick cuda_ipc for a peer otherwise); a no-op
-    context for None (DRAM)."""
-    if index is None:
-        return contextlib.nullcontext()
+_bound = threading.local()  # per thread: the devices whose primary context was made current
+
+
+@contextlib.contextmanager
+def _on(index: int) -> Iterator[None]:
     import torch
 
-    return torch.cuda.device(index)
+    with torch.cuda.device(index):
+        done: set[int] = getattr(_bound, "devices", set())
+        if index not in done:
+            # Selecting a device that is already the thread's current one does not bind its
+            # context (a fresh thread reports device 0 with no context): a runtime call does.
+            torch.cuda.mem_get_info(index)
+            done.add(index)
+            _bound.devices = done
+        yield
+
+
+def cuda_context(index: int | None) -> Any:
+    """A context manager making CUDA device ``index`` current in this thread, its primary
+    context bound, for NIXL calls on an agent that registered VRAM (UCX may not pick
+    cuda_ipc for a peer otherwise); a no-op context for None (DRAM)."""
+    if index is None:
+        return contextlib.nullcontext()
+    return _on(index)

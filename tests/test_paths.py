@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
 import akv
 from akv.geometry.cache import as_cache
@@ -79,6 +80,8 @@ async def pull_everything(
     requests: int = 3,
     inline: int = 128 << 20,
     device: str = "cpu",
+    copy_with: str = "auto",
+    views: bool = False,
 ) -> tuple[list[akv.TransferResult], Prefill]:
     """Expose ``requests`` requests on a P-rank engine, pull each on every one of D decode
     ranks (every other one after a one-block prefix hit), verify every byte read."""
@@ -93,12 +96,13 @@ async def pull_everything(
         for r in range(d):
             consumer = await stack.enter_async_context(
                 akv.Consumer(
-                    akv.allocate_kv_cache(dspec, r, d, device=device),
+                    (as_views if views else akv.allocate_kv_cache)(dspec, r, d, device=device),
                     dspec,
                     tp_rank=r,
                     tp_size=d,
                     same_process=same_process,
                     copy_inline_bytes=inline,
+                    copy_with=copy_with,
                 )
             )
             session = await consumer.connect(engine.endpoint)
@@ -153,6 +157,37 @@ PAIRS = [
         id="gemma3-sliding",
     ),
 ]
+
+
+def as_views(spec: Any, rank: int, size: int, device: str = "cpu") -> list[torch.Tensor]:
+    """The rank's regions as views into one buffer, each starting 2 bytes past an 8-byte
+    boundary (an engine's own tensors need not start where their storage does)."""
+    shapes = [(t.shape, t.dtype) for t in akv.allocate_kv_cache(spec, rank, size)]
+    sizes = [int(torch.empty(s, dtype=d).nbytes) for s, d in shapes]
+    buffer = torch.zeros(sum(sizes) + 2 * len(sizes) + 2, dtype=torch.uint8, device=device)
+    out, at = [], 2
+    for (shape, dtype), n in zip(shapes, sizes, strict=True):
+        out.append(buffer[at : at + n].view(dtype).view(shape))
+        at += n + 2
+    return out
+
+
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+async def test_torch_copies_match_nixl_reads(pspec: Any, dspec: Any, p: int, d: int) -> None:
+    """The GPU's way of copying (torch gathers and scatters over strided views), run on CPU
+    tensors, moves exactly what NIXL reads move."""
+    copied, engine = await pull_everything(pspec, dspec, p, d, "auto", copy_with="torch")
+    assert {r.path for r in copied} == {"copy"}
+    assert set(engine.releases.values()) == {p} and {why for _, why in engine.releases} == {"read"}
+
+
+@pytest.mark.parametrize("copy_with", ["auto", "torch"])
+async def test_copies_into_tensors_that_start_inside_their_storage(copy_with: str) -> None:
+    """Decode regions that are views into one larger buffer (not 8-byte aligned) are filled
+    bit-exact by both ways of copying."""
+    spec = make_spec(kv_heads=4, dtype="float16")
+    results, _ = await pull_everything(spec, spec, 2, 1, "auto", copy_with=copy_with, views=True)
+    assert {r.path for r in results} == {"copy"}
 
 
 @pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)

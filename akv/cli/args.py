@@ -381,7 +381,7 @@ def device_of(a: argparse.Namespace, side: str | None = None) -> Device:
 
     own = getattr(a, f"{side}_device", None) if side else None
     flag = f"--{side}-device" if own is not None else "--device"
-    device = parse_device(own if own is not None else a.device, flag)
+    device = parse_device(own if own is not None else getattr(a, "device", "cpu"), flag)
     check_usable(device, flag)
     return device
 

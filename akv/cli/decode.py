@@ -62,7 +62,7 @@ def validate(a: argparse.Namespace) -> None:
         ) from None
     check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
     check_model(a, "--tp-size")
-    a.device_checked = device_of(a)
+    device_of(a)  # checked before any I/O
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
     check_seconds(a.transfer_timeout, "--transfer-timeout")
     check(a.engine_id is None or bool(a.engine_id), "--engine-id must not be empty")
@@ -136,7 +136,7 @@ async def run_decode(
     failed: list[str] = []
     errors: list[str] = []
     started = time.monotonic()
-    caches = {d: allocate_kv_cache(spec, d, size, device=rank_device(a.device_checked, d)) for d in mine}
+    caches = {d: allocate_kv_cache(spec, d, size, device=rank_device(device_of(a), d)) for d in mine}
     paths: dict[str, int] = {}
     async with AsyncExitStack() as stack:
         consumers = {
@@ -348,7 +348,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
             emit({"event": "progress", "done": done, "total": total})
 
     validate(a)
-    use_gpu_environment(a.device_checked)
+    use_gpu_environment(device_of(a))
     exit_with_parent(a.parent_pid)
     try:
         one_process = a.tp_rank is not None or a.tp_size == 1

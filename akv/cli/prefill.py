@@ -55,7 +55,7 @@ def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv prefill``, before any I/O ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
     check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
     check_model(a, "--tp-size")
-    a.device_checked = device_of(a)
+    device_of(a)  # checked before any I/O
     size_pool(a)
     check_port(a.port)
     check_seconds(a.lease, "--lease")
@@ -137,7 +137,7 @@ async def run_prefill(
         directory=lambda: requests,
         advertise_host=a.advertise_host,
     )
-    kv = allocate_kv_cache(spec, rank, size, device=rank_device(a.device_checked, rank))
+    kv = allocate_kv_cache(spec, rank, size, device=rank_device(device_of(a), rank))
     for req in requests if not a.no_fill else ():
         fill_request(kv, spec, rank, size, req.block_ids, req.seed, req.num_tokens or None)
     producer = Producer(
@@ -297,7 +297,7 @@ async def run_prefill_engine(
 
 def cmd_prefill(a: argparse.Namespace) -> int:
     validate(a)
-    use_gpu_environment(a.device_checked)
+    use_gpu_environment(device_of(a))
     exit_with_parent(a.parent_pid)
     if a.tp_rank is None and a.tp_size == 1:
         a.tp_rank = 0  # an engine of one rank: this process is that rank

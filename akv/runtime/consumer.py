@@ -78,6 +78,9 @@ class Consumer(RankBase):
         copy_inline_bytes: DRAM pulls on the copy path up to this size are copied at launch,
             on the event loop's thread (fastest: no thread hand-off); larger ones in a worker
             thread, so the loop never stalls for long. CUDA copies are always asynchronous.
+        copy_with: how the copy path moves bytes: ``"auto"`` (memory moves in DRAM, torch
+            gathers and scatters on GPUs) or ``"torch"`` (torch everywhere: the GPU code path,
+            also on CPU tensors).
         max_checks: exposure checks in flight at once.
         backend: a transport backend to use instead of creating a NIXL agent.
         progress_thread: let UCX run its own progress thread.
@@ -105,6 +108,7 @@ class Consumer(RankBase):
         verify_exposure: bool = True,
         same_process: str = "auto",
         copy_inline_bytes: int = 128 << 20,
+        copy_with: str = "auto",
         max_checks: int = 1024,
         backend: Backend | None = None,
         progress_thread: bool = False,
@@ -138,6 +142,9 @@ class Consumer(RankBase):
         if copy_inline_bytes < 0:
             raise ConfigError(f"copy_inline_bytes must be >= 0, got {copy_inline_bytes}")
         self.copy_inline_bytes = copy_inline_bytes
+        if copy_with not in ("auto", "torch"):
+            raise ConfigError(f"copy_with must be 'auto' or 'torch', got {copy_with!r}")
+        self.copy_with = copy_with
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
         self.checks = CheckPool(max_checks)
@@ -160,8 +167,10 @@ class Consumer(RankBase):
 
     def _teardown(self) -> None:
         backend = self.backend_or_none
-        if backend is not None and time.monotonic() < self._reap_until:
-            for _ in range(50):  # let UCX retire what it still holds for a lost peer before closing
+        now = time.monotonic()
+        if backend is not None and (now < self._reap_until or now < self._flush_until):
+            # let UCX send the notices still queued, and retire what it holds for a lost peer
+            for _ in range(50):
                 try:
                     backend.progress()
                 except BackendError:

@@ -62,7 +62,7 @@ def publish(
 def withdraw(agent_name: str) -> None:
     """Forget a prefill rank (it is closing). Idempotent."""
     with _lock:
-        _ranks.pop(agent_name, None)
+        _ranks.pop(agent_name, None)  # agent names carry a random suffix: never reused
 
 
 def find(info: RankInfo) -> LocalRank | None:

@@ -507,7 +507,9 @@ class TransferSession:
         here = {r: link.local for r, link in self.links.items() if link.local is not None and not link.broken}
         if self.copier is not None:
             self.copier.close()
-        self.copier = CopyPlan(plan.tables, c.kv_caches, here, c.copy_inline_bytes) if here else None
+        self.copier = (
+            CopyPlan(plan.tables, c.kv_caches, here, c.copy_inline_bytes, c.copy_with) if here else None
+        )
         self.remote_engine_id = ch.engine_id
         self.remote_spec = ch.spec
         self.prefill_tp = ch.tp_size

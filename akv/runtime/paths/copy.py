@@ -18,6 +18,7 @@ the request once the bytes were in place.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import itertools
 from collections.abc import Mapping, Sequence
@@ -100,6 +101,7 @@ class CopyPlan:
         local: Sequence[torch.Tensor],
         remote: Mapping[int, LocalRank],
         inline_bytes: int = INLINE_BYTES,
+        engine: str = "auto",
     ) -> None:
         self.remote = dict(remote)
         self.inline_bytes = inline_bytes
@@ -111,8 +113,10 @@ class CopyPlan:
                 self.rows[key] = _rows(table, self.remote[int(key[1])].tensors)  # type: ignore[call-overload]
         self._views: dict[tuple[int, int], Any] = {}
         self._streams: dict[Any, Any] = {}
-        self._cpu = all(t.device.type == "cpu" for t in local) and all(
-            t.device.type == "cpu" for r in self.remote.values() for t in r.tensors
+        self._cpu = (
+            engine != "torch"
+            and all(t.device.type == "cpu" for t in local)
+            and all(t.device.type == "cpu" for r in self.remote.values() for t in r.tensors)
         )
         self._worker: ThreadPoolExecutor | None = None
 
@@ -143,17 +147,28 @@ class CopyPlan:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="akv-copy")
             job = self._worker.submit(_memmove_runs, runs, (self.rows, self.remote))
             return LocalCopy([job], checks, request_id, prepared, tuple(notify), generation)
+        try:  # everything is checked and viewed before the first copy is queued
+            work = [
+                item
+                for op, li, ri in prepared.posts
+                for item in self._segments(self.rows[op.local_table], self.rows[op.remote_table], li, ri)
+            ]
+        except (RuntimeError, ValueError, IndexError) as exc:
+            return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
         streams: set[Any] = set()
         try:
-            for op, li, ri in prepared.posts:
-                lt, rt = self.rows[op.local_table], self.rows[op.remote_table]
-                streams |= self._copy_op(lt, rt, li, ri)
+            for dst, src, lblk, rblk in work:
+                streams |= self._queue(dst, src, lblk, rblk)
             events = []
             for stream in streams:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
                 events.append(event)
-        except (RuntimeError, ValueError, IndexError) as exc:
+        except RuntimeError as exc:  # e.g. out of memory: wait for what was queued, then fail
+            devices = {t.device for dst, src, _, _ in work for t in (dst, src) if t.device.type == "cuda"}
+            with contextlib.suppress(RuntimeError):
+                for device in devices:
+                    torch.cuda.synchronize(device)
             return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
         return LocalCopy(events, checks, request_id, prepared, tuple(notify), generation)
 
@@ -171,17 +186,7 @@ class CopyPlan:
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """(destination, source, length) of every run of one prefill rank's read, neighbours
         contiguous on both sides merged: DRAM copies are plain memory moves."""
-        lrow = np.searchsorted(lt.start, li, side="right") - 1
-        rrow = np.searchsorted(rt.start, ri, side="right") - 1
-        lblk = li - lt.start[lrow]
-        rblk = ri - rt.start[rrow]
-        if (
-            (lblk < 0).any()
-            or (lblk >= lt.count[lrow]).any()
-            or (rblk < 0).any()
-            or (rblk >= rt.count[rrow]).any()
-        ):
-            raise ValueError("a descriptor index lies outside its table")
+        lrow, lblk, rrow, rblk = _locate(lt, rt, li, ri)
         length = lt.length[lrow]
         if not np.array_equal(length, rt.length[rrow]):
             raise ValueError("run lengths differ between the two sides")
@@ -196,20 +201,18 @@ class CopyPlan:
                 dst, src = dst[starts], src[starts]
         return dst, src, length
 
-    def _copy_op(
+    def _segments(
         self, lt: _Rows, rt: _Rows, li: npt.NDArray[np.int32], ri: npt.NDArray[np.int32]
-    ) -> set[Any]:
-        """Copy one prefill rank's runs; returns the CUDA streams used."""
-        lrow = np.searchsorted(lt.start, li, side="right") - 1
-        rrow = np.searchsorted(rt.start, ri, side="right") - 1
-        lblk = li - lt.start[lrow]
-        rblk = ri - rt.start[rrow]
+    ) -> list[tuple[Any, Any, npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
+        """One prefill rank's read as (destination view, source view, blocks, blocks) per row pair."""
+        lrow, lblk, rrow, rblk = _locate(lt, rt, li, ri)
         cut = np.flatnonzero((lrow[1:] != lrow[:-1]) | (rrow[1:] != rrow[:-1])) + 1
         bounds = [0, *cut.tolist(), len(li)]
-        streams: set[Any] = set()
+        out = []
         for s, e in itertools.pairwise(bounds):
-            streams |= self._copy_rows(lt, int(lrow[s]), rt, int(rrow[s]), lblk[s:e], rblk[s:e])
-        return streams
+            dst, src = self._row_views(lt, int(lrow[s]), rt, int(rrow[s]))
+            out.append((dst, src, lblk[s:e], rblk[s:e]))
+        return out
 
     def _view(self, tensor: torch.Tensor, width: int) -> torch.Tensor:
         """A 1-D view of a region's bytes in an integer type of ``width`` bytes."""
@@ -231,15 +234,9 @@ class CopyPlan:
             stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         return stream
 
-    def _copy_rows(
-        self,
-        lt: _Rows,
-        lrow: int,
-        rt: _Rows,
-        rrow: int,
-        lblk: npt.NDArray[np.int64],
-        rblk: npt.NDArray[np.int64],
-    ) -> set[Any]:
+    def _row_views(self, lt: _Rows, lrow: int, rt: _Rows, rrow: int) -> tuple[Any, Any]:
+        """``[blocks, run]`` views of one row on each side, in the widest integer type that the
+        run's offsets, stride and length (and the tensors' own starts) allow."""
         import torch
 
         length = int(lt.length[lrow])
@@ -254,20 +251,29 @@ class CopyPlan:
             int(rt.stride[rrow]),
             dst_t.numel() * dst_t.element_size(),
             src_t.numel() * src_t.element_size(),
+            dst_t.storage_offset() * dst_t.element_size(),
+            src_t.storage_offset() * src_t.element_size(),
         )
         width = next(w for w in (8, 4, 2, 1) if all(p % w == 0 for p in parts))
-        dst = torch.as_strided(
-            self._view(dst_t, width),
-            (int(lt.count[lrow]), length // width),
-            (int(lt.stride[lrow]) // width, 1),
-            int(lt.offset[lrow]) // width,
-        )
-        src = torch.as_strided(
-            self._view(src_t, width),
-            (int(rt.count[rrow]), length // width),
-            (int(rt.stride[rrow]) // width, 1),
-            int(rt.offset[rrow]) // width,
-        )
+        views = []
+        for rows, row, tensor in ((lt, lrow, dst_t), (rt, rrow, src_t)):
+            flat = self._view(tensor, width)
+            views.append(
+                torch.as_strided(
+                    flat,
+                    (int(rows.count[row]), length // width),
+                    (int(rows.stride[row]) // width, 1),
+                    flat.storage_offset() + int(rows.offset[row]) // width,  # from the storage's start
+                )
+            )
+        return views[0], views[1]
+
+    def _queue(
+        self, dst: Any, src: Any, lblk: npt.NDArray[np.int64], rblk: npt.NDArray[np.int64]
+    ) -> set[Any]:
+        """Queue one row pair's copies; returns the CUDA streams used."""
+        import torch
+
         if dst.device == src.device and dst.device.type == "cuda":
             stream = self._stream(dst.device)
             stream.wait_stream(torch.cuda.current_stream(dst.device))
@@ -278,23 +284,47 @@ class CopyPlan:
         return {torch.cuda.current_stream(d) for d in {dst.device, src.device} if d.type == "cuda"}
 
 
+def _locate(
+    lt: _Rows, rt: _Rows, li: npt.NDArray[np.int32], ri: npt.NDArray[np.int32]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(row, block) on each side of every descriptor index; ValueError for one outside its table."""
+    lrow = np.searchsorted(lt.start, li, side="right") - 1
+    rrow = np.searchsorted(rt.start, ri, side="right") - 1
+    if (lrow < 0).any() or (rrow < 0).any():
+        raise ValueError("a descriptor index lies outside its table")
+    lblk = li - lt.start[lrow]
+    rblk = ri - rt.start[rrow]
+    if (lblk >= lt.count[lrow]).any() or (rblk >= rt.count[rrow]).any():
+        raise ValueError("a descriptor index lies outside its table")
+    return lrow, lblk, rrow, rblk
+
+
 def _gather_scatter(
     dst: torch.Tensor, src: torch.Tensor, lblk: npt.NDArray[np.int64], rblk: npt.NDArray[np.int64]
 ) -> None:
     """``dst[lblk] = src[rblk]``: slice copies for a few consecutive runs, else one gather and
     one scatter."""
-    import torch
 
     breaks = np.flatnonzero((np.diff(lblk) != 1) | (np.diff(rblk) != 1)) + 1
     if len(breaks) < MAX_SLICES:
         bounds = [0, *breaks.tolist(), len(lblk)]
         for s, e in itertools.pairwise(bounds):
             a, b = int(lblk[s]), int(rblk[s])
-            dst[a : a + e - s].copy_(src[b : b + e - s], non_blocking=True)
+            dst[a : a + e - s].copy_(src[b : b + e - s], non_blocking=dst.is_cuda)
         return
-    ridx = torch.from_numpy(np.ascontiguousarray(rblk, dtype=np.int64)).to(src.device, non_blocking=True)
-    lidx = torch.from_numpy(np.ascontiguousarray(lblk, dtype=np.int64)).to(dst.device, non_blocking=True)
-    dst.index_copy_(0, lidx, src.index_select(0, ridx).to(dst.device, non_blocking=True))
+    ridx, lidx = (_index(ids, t.device) for ids, t in ((rblk, src), (lblk, dst)))
+    # non_blocking only towards a GPU: a GPU-to-CPU copy must be complete before the CPU reads it
+    dst.index_copy_(0, lidx, src.index_select(0, ridx).to(dst.device, non_blocking=dst.is_cuda))
+
+
+def _index(ids: npt.NDArray[np.int64], device: Any) -> Any:
+    """Block ids as an index tensor on ``device`` (uploaded from pinned memory, asynchronously)."""
+    import torch
+
+    host = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _memmove_runs(
@@ -339,8 +369,12 @@ class LocalCopy:
     def poll(self) -> Outcome:
         """None once the copies are done and the blocks were still exposed."""
         if self.events:
-            if not all(e.query() if hasattr(e, "query") else e.done() for e in self.events):
-                return Pending()
+            try:
+                if not all(e.query() if hasattr(e, "query") else e.done() for e in self.events):
+                    return Pending()
+            except RuntimeError as exc:  # a CUDA error: this pull fails, the consumer runs on
+                self.abort()
+                return Failed(TransferError(f"copying request {self.request_id!r} failed: {exc}"))
             for e in self.events:
                 if not hasattr(e, "query") and e.exception() is not None:
                     return Failed(
@@ -367,7 +401,8 @@ class LocalCopy:
         """Wait for the queued copies: none writes after this returns."""
         for event in self.events:
             if hasattr(event, "synchronize"):
-                event.synchronize()
+                with contextlib.suppress(RuntimeError):  # a CUDA error: nothing more will run
+                    event.synchronize()
             else:
                 concurrent.futures.wait([event])
         self.events = []

@@ -108,8 +108,9 @@ class NixlRead:
 
     @property
     def ranks(self) -> frozenset[int]:
-        """The prefill ranks with a read still in flight."""
-        return frozenset(self._pending.values())
+        """The prefill ranks read from: until the exposure check is verified, losing any of
+        them (or re-linking it) fails the pull."""
+        return frozenset(post.rank for post in self.posts)
 
     def start(self) -> Failed | None:
         """Post the data reads; on failure nothing stays posted."""
