@@ -739,7 +739,11 @@ async def _same_process(layers: int, device: str, progress: Callable[[str], None
                     tp_rank=0,
                     tp_size=1,
                     same_process=mode,
-                    backend=NixlBackend(f"bench-same-{mode}-{os.getpid()}", telemetry=True),
+                    backend=NixlBackend(
+                        f"bench-same-{mode}-{os.getpid()}",
+                        telemetry=True,
+                        cuda_device=(dev.index or 0) if dev.cuda else None,
+                    ),
                 )
             )
             sides[mode] = (c, await c.connect(str(endpoint)))

@@ -507,9 +507,12 @@ class TransferSession:
         here = {r: link.local for r, link in self.links.items() if link.local is not None and not link.broken}
         if self.copier is not None:
             self.copier.close()
-        self.copier = (
-            CopyPlan(plan.tables, c.kv_caches, here, c.copy_inline_bytes, c.copy_with) if here else None
-        )
+        self.copier = None
+        if here:
+            try:
+                self.copier = CopyPlan(plan.tables, c.kv_caches, here, c.copy_inline_bytes, c.copy_with)
+            except TransferError as exc:  # the tensors do not match what was announced: read instead
+                self.log.warning("prefill ranks of this process are read through NIXL", error=str(exc))
         self.remote_engine_id = ch.engine_id
         self.remote_spec = ch.spec
         self.prefill_tp = ch.tp_size
