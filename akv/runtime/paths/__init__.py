@@ -19,12 +19,17 @@ in place, every block it read was still exposed for the request (the exposure ch
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from akv.errors import AkvError
+import numpy as np
+import numpy.typing as npt
 
-__all__ = ["PATHS", "Failed", "PathName", "PathOp", "Pending"]
+from akv import exposure
+from akv.errors import AkvError, UnsafeReadError
+
+__all__ = ["PATHS", "Failed", "PathName", "PathOp", "Pending", "unsafe"]
 
 PathName = Literal["copy", "read"]
 #: Every path, in order of preference.
@@ -51,6 +56,25 @@ class Failed:
 
 #: A poll's answer: ``None`` once every byte is in place and verified, else `Pending` or `Failed`.
 Outcome = Pending | Failed | None
+
+
+def unsafe(
+    buckets: Iterable[tuple[int, npt.NDArray[Any]]],
+    request_id: str,
+    remote_ids: npt.NDArray[np.int32],
+    read_ids: npt.NDArray[np.int32],
+    generation: int,
+) -> UnsafeReadError | None:
+    """The exposure check of a pull over the buckets read from each prefill rank (``(rank,
+    bucket)`` pairs, read once its bytes were in place): None if every one still holds the
+    request's exposure, else the first typed error."""
+    for rank, bucket in buckets:
+        error = exposure.verify(
+            bucket, request_id, remote_ids, prefill_rank=rank, read_ids=read_ids, generation=generation
+        )
+        if error is not None:
+            return error
+    return None
 
 
 class PathOp(Protocol):

@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from akv import exposure
 from akv.errors import TransferError
-from akv.runtime.paths import Failed, Outcome, PathName, Pending
+from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
 
 if TYPE_CHECKING:
     import torch
@@ -383,18 +383,10 @@ class LocalCopy:
             self.events = []
         if self.checks:
             h = exposure.request_hash(self.request_id)
-            for rank, local in self.checks:
-                bucket = local.table[h % local.buckets].copy()
-                error = exposure.verify(
-                    bucket,
-                    self.request_id,
-                    self.remote_ids,
-                    prefill_rank=rank,
-                    read_ids=self.read_ids,
-                    generation=self.generation,
-                )
-                if error is not None:
-                    return Failed(error, notify=tuple(r for r, _ in self.checks))
+            buckets = [(rank, local.table[h % local.buckets].copy()) for rank, local in self.checks]
+            error = unsafe(buckets, self.request_id, self.remote_ids, self.read_ids, self.generation)
+            if error is not None:
+                return Failed(error, notify=tuple(r for r, _ in self.checks))
         return None
 
     def abort(self) -> None:

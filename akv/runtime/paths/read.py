@@ -18,7 +18,7 @@ import numpy.typing as npt
 from akv import exposure
 from akv.backends import Backend, DlistHandle, Reaper, XferHandle
 from akv.errors import BackPressureError, ConfigError, PeerLostError, TransferError
-from akv.runtime.paths import Failed, Outcome, PathName, Pending
+from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
 
 __all__ = ["CheckPool", "NixlRead", "RankCheck", "ReadPost"]
 
@@ -178,18 +178,8 @@ class NixlRead:
 
     def _verify(self) -> TransferError | None:
         assert self.pool is not None
-        for rank, slot in self._slots.items():
-            error = exposure.verify(
-                self.pool.array[slot],
-                self.request_id,
-                self.remote_ids,
-                prefill_rank=rank,
-                read_ids=self.read_ids,
-                generation=self.generation,
-            )
-            if error is not None:
-                return error
-        return None
+        buckets = [(rank, self.pool.array[slot]) for rank, slot in self._slots.items()]
+        return unsafe(buckets, self.request_id, self.remote_ids, self.read_ids, self.generation)
 
     def _free_slots(self) -> None:
         if self.pool is not None:
