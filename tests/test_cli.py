@@ -128,7 +128,8 @@ def test_decode_validates_tp_size_before_connecting() -> None:
 
 @pytest.mark.slow
 def test_demo_sizes_the_pool_and_passes_verbosity_on() -> None:
-    """`akv demo --requests N` beyond the default pool sizes it; -v reaches both child processes."""
+    """`akv demo --requests N` beyond the default pool sizes it; -v reaches both child processes;
+    the summary counts requests per transfer path and the descriptors posted."""
     proc = akv(
         "demo",
         "--prefill-tp", "1", "--decode-tp", "1", "--kv-heads", "2",
@@ -139,6 +140,8 @@ def test_demo_sizes_the_pool_and_passes_verbosity_on() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.splitlines()[-1])
     assert summary["verified"] == summary["released"] == 40
+    # prefill and decode are separate processes: every request was read through NIXL
+    assert summary["paths"] == {"read": 40} and summary["descriptors"] >= 40
     assert "control server listening" in proc.stderr  # prefill's INFO log, shown only with -v
     assert "decode rank connected" in proc.stderr
     assert "request verified" not in proc.stderr  # a debug event: -vv only
