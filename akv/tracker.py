@@ -1,17 +1,15 @@
-"""The decode side's transfer tracker (pure, sans-IO): stages, handles and deadlines of pulls.
+"""The decode side's transfer tracker (pure, sans-IO): stages and deadlines of pulls.
 
-A pull goes through up to two stages: ``reading`` (the data reads) and ``checking`` (one
-small read per prefill rank read from, of the bucket of the exposure table that proves the
-blocks were still exposed; see :mod:`akv.exposure`). The runtime posts the reads, polls
-them and reports completions here; the tracker says when a stage is over, when the pull
-has timed out and when its lease needs a heartbeat.
+A pull is running until it is done or failed; what moves its bytes (and tracks its handles)
+is its transfer path (`akv.runtime.paths`). The tracker says when the pull has timed out
+and when its lease needs a heartbeat.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Stage", "TransferState", "TransferTracker"]
@@ -20,22 +18,20 @@ __all__ = ["Stage", "TransferState", "TransferTracker"]
 class Stage(enum.Enum):
     """Where a pull is."""
 
-    READING = "reading"
-    CHECKING = "checking"
+    RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
 
 
 @dataclass(eq=False, slots=True)
 class TransferState:
-    """One pull's progress. ``pending`` maps posted handles to the prefill rank they read from."""
+    """One pull's progress."""
 
     request_id: str
     started: float
     timeout_s: float
     heartbeat_s: float = 0.0  # 0: no heartbeats
-    stage: Stage = Stage.READING
-    pending: dict[Any, int] = field(default_factory=dict)
+    stage: Stage = Stage.RUNNING
     last_heartbeat: float = 0.0
 
     def __post_init__(self) -> None:
@@ -51,26 +47,9 @@ class TransferState:
         """True once done or failed."""
         return self.stage in (Stage.DONE, Stage.FAILED)
 
-    def post(self, handle: Any, rank: int) -> None:
-        """Record a read posted in the current stage."""
-        self.pending[handle] = rank
-
-    def completed(self, handle: Any) -> bool:
-        """A read reported DONE; True if that was the stage's last one."""
-        self.pending.pop(handle, None)
-        return not self.pending
-
-    def advance(self, checking: bool) -> Stage:
-        """End the current stage: to ``checking`` (if asked and still reading) or ``done``."""
-        self.stage = Stage.CHECKING if checking and self.stage is Stage.READING else Stage.DONE
-        return self.stage
-
-    def fail(self) -> list[Any]:
-        """Mark failed; returns the handles still posted (to release)."""
+    def fail(self) -> None:
+        """Mark failed."""
         self.stage = Stage.FAILED
-        handles = list(self.pending)
-        self.pending.clear()
-        return handles
 
     def timed_out(self, now: float) -> bool:
         """True if the deadline passed."""

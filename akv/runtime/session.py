@@ -711,7 +711,7 @@ class TransferSession:
         lease = request.lease_s if request.lease_s else self.lease_s  # the exposure's own lease
         heartbeat = lease / 3 if lease > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
-        op, notify = self._launch(prepared, request.request_id, notice, request.generation)
+        op, notify = self._launch(plan, prepared, request.request_id, notice, request.generation)
         transfer = Transfer(self, request.request_id, prepared, notice, state, op, notify)
         transfer.generation = request.generation
         self.transfers.add(transfer)
@@ -721,22 +721,22 @@ class TransferSession:
     def path_for(self, prepared: Prepared) -> PathName:
         """The path a prepared request takes: ``"copy"`` if every prefill rank it reads from
         lives in this process (and the consumer allows it), else ``"read"``."""
-        ranks = {op.remote_rank for op, _, _ in prepared.posts}
+        return "copy" if self._copier_for(prepared) is not None else "read"
+
+    def _copier_for(self, prepared: Prepared) -> CopyPlan | None:
         copier = self.copier
-        if copier is not None and self.consumer.same_process != "nixl" and copier.covers(ranks):
-            return "copy"
-        return "read"
+        if copier is None or self.consumer.same_process == "nixl":
+            return None
+        return copier if copier.covers({op.remote_rank for op, _, _ in prepared.posts}) else None
 
     def _launch(
-        self, prepared: Prepared, request_id: str, notice: bytes, generation: int
+        self, plan: TransferPlan, prepared: Prepared, request_id: str, notice: bytes, generation: int
     ) -> tuple[PathOp, tuple[int, ...]]:
         """Start a prepared request on its path; returns the op and the ranks to notify once done."""
         c = self.consumer
-        plan = self.plan
-        assert plan is not None
-        if self.path_for(prepared) == "copy":
-            assert self.copier is not None
-            launched = self.copier.launch(
+        copier = self._copier_for(prepared)
+        if copier is not None:
+            launched = copier.launch(
                 prepared, request_id, plan.notify, check=c.verify_exposure, generation=generation
             )
             if isinstance(launched, Failed):

@@ -142,11 +142,11 @@ class CopyPlan:
                 return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
             if prepared.bytes <= self.inline_bytes:  # no thread hop, no GIL ping-pong with the poller
                 _memmove_runs(runs, None)
-                return LocalCopy([], checks, request_id, prepared, tuple(notify), generation)
+                return LocalCopy([], None, checks, request_id, prepared, tuple(notify), generation)
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="akv-copy")
             job = self._worker.submit(_memmove_runs, runs, (self.rows, self.remote))
-            return LocalCopy([job], checks, request_id, prepared, tuple(notify), generation)
+            return LocalCopy([], job, checks, request_id, prepared, tuple(notify), generation)
         try:  # everything is checked and viewed before the first copy is queued
             work = [
                 item
@@ -170,7 +170,7 @@ class CopyPlan:
                 for device in devices:
                     torch.cuda.synchronize(device)
             return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
-        return LocalCopy(events, checks, request_id, prepared, tuple(notify), generation)
+        return LocalCopy(events, None, checks, request_id, prepared, tuple(notify), generation)
 
     def close(self) -> None:
         """Stop the copy worker once its queued copies are done."""
@@ -339,14 +339,15 @@ def _memmove_runs(
 
 
 class LocalCopy:
-    """One pull on the copy path: what is still running (CUDA events, or the DRAM copy
-    worker's job), then the exposure check against the prefill ranks' tables."""
+    """One pull on the copy path: what is still running (CUDA events recorded after its copies,
+    or the DRAM copy worker's job), then the exposure check against the prefill ranks' tables."""
 
     path: PathName = "copy"
 
     def __init__(
         self,
         events: list[Any],
+        job: concurrent.futures.Future[None] | None,
         checks: list[tuple[int, LocalRank]] | None,
         request_id: str,
         prepared: Prepared,
@@ -354,6 +355,7 @@ class LocalCopy:
         generation: int = 0,
     ) -> None:
         self.events = events
+        self.job = job
         self.checks = checks
         self.request_id = request_id
         self.remote_ids = prepared.remote_ids
@@ -368,18 +370,20 @@ class LocalCopy:
 
     def poll(self) -> Outcome:
         """None once the copies are done and the blocks were still exposed."""
+        if self.job is not None:
+            if not self.job.done():
+                return Pending()
+            error = self.job.exception()
+            self.job = None
+            if error is not None:
+                return Failed(TransferError(f"copying request {self.request_id!r} failed: {error}"))
         if self.events:
             try:
-                if not all(e.query() if hasattr(e, "query") else e.done() for e in self.events):
+                if not all(e.query() for e in self.events):
                     return Pending()
             except RuntimeError as exc:  # a CUDA error: this pull fails, the consumer runs on
                 self.abort()
                 return Failed(TransferError(f"copying request {self.request_id!r} failed: {exc}"))
-            for e in self.events:
-                if not hasattr(e, "query") and e.exception() is not None:
-                    return Failed(
-                        TransferError(f"copying request {self.request_id!r} failed: {e.exception()}")
-                    )
             self.events = []
         if self.checks:
             h = exposure.request_hash(self.request_id)
@@ -391,10 +395,10 @@ class LocalCopy:
 
     def abort(self) -> None:
         """Wait for the queued copies: none writes after this returns."""
+        if self.job is not None:
+            concurrent.futures.wait([self.job])
+            self.job = None
         for event in self.events:
-            if hasattr(event, "synchronize"):
-                with contextlib.suppress(RuntimeError):  # a CUDA error: nothing more will run
-                    event.synchronize()
-            else:
-                concurrent.futures.wait([event])
+            with contextlib.suppress(RuntimeError):  # a CUDA error: nothing more will run
+                event.synchronize()
         self.events = []

@@ -152,20 +152,22 @@ class NixlRead:
 
     def _post_checks(self) -> Failed | None:
         """Read the request's exposure-table bucket from every rank read from (with the notice)."""
-        assert self.checks is not None and self.pool is not None
+        checks, pool = self.checks, self.pool
+        if checks is None or pool is None:  # no exposure check: nothing to post
+            return None
         h = exposure.request_hash(self.request_id)
         for rank in sorted({post.rank for post in self.posts}):
-            check = self.checks.get(rank)
+            check = checks.get(rank)
             if check is None:  # the rank was re-linked (or lost) since the data reads
                 return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
             try:
-                slot = self.pool.acquire()
+                slot = pool.acquire()
             except BackPressureError as exc:
                 return Failed(exc)
             self._slots[rank] = slot
             try:
                 handle = self.backend.read(
-                    self.pool.dlist,
+                    pool.dlist,
                     np.array([slot], dtype=np.int32),
                     check.dlist,
                     np.array([h % check.buckets], dtype=np.int32),
@@ -177,8 +179,10 @@ class NixlRead:
         return None
 
     def _verify(self) -> TransferError | None:
-        assert self.pool is not None
-        buckets = [(rank, self.pool.array[slot]) for rank, slot in self._slots.items()]
+        pool = self.pool
+        if pool is None:
+            return None
+        buckets = [(rank, pool.array[slot]) for rank, slot in self._slots.items()]
         return unsafe(buckets, self.request_id, self.remote_ids, self.read_ids, self.generation)
 
     def _free_slots(self) -> None:
