@@ -1,0 +1,146 @@
+"""No write lands after control returns: a failed, timed-out or closed pull never changes its
+blocks afterwards (real processes, real NIXL, UCX over TCP, 64 MiB requests in flight)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import anyio
+import pytest
+import torch
+
+import akv
+from akv.cli import build_parser
+from akv.cli.args import spec_from_args
+from akv.protocol.messages import RequestInfo
+from akv.testing import fetch_requests, spawn_prefill
+from tests.conftest import stop
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+BLOCKS, PER_REQUEST = 384, 64  # 1 MiB blocks: 64 MiB requests
+GEOMETRY = ["--layers", "8", "--kv-heads", "4", "--block-size", "64", "--head-dim", "128", "--dtype", "float16"]
+TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # data over TCP, not cma: reads stay in flight
+SENTINEL = 0x5A
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    proc, endpoint = spawn_prefill(
+        "--tp-size", "1", "--blocks", str(BLOCKS), "--requests", str(BLOCKS // PER_REQUEST),
+        "--blocks-per-request", str(PER_REQUEST), "--timeout", "120", "--lease", "120", "--hold", *GEOMETRY,
+        env=TCP,
+    )  # fmt: skip
+    try:
+        yield proc, endpoint
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        stop(proc)
+
+
+@pytest.fixture(autouse=True)
+def over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in TCP.items():
+        monkeypatch.setenv(key, value)
+
+
+def spec() -> akv.KVSpec:
+    args = ["decode", "--connect", "x:1", "--tp-size", "1", "--blocks", str(BLOCKS), *GEOMETRY]
+    return spec_from_args(build_parser().parse_args(args))
+
+
+def local_ids(slot: int) -> list[int]:
+    return list(range(slot * PER_REQUEST, (slot + 1) * PER_REQUEST))
+
+
+def poison(kv: list[torch.Tensor], blocks: list[int]) -> None:
+    """Write the sentinel into every byte of ``blocks`` (the caller reusing them)."""
+    for region in kv:
+        region.view(torch.uint8)[blocks] = SENTINEL  # regions are [blocks, ...]
+
+
+def intact(kv: list[torch.Tensor], blocks: list[int]) -> bool:
+    return all(bool((region.view(torch.uint8)[blocks] == SENTINEL).all()) for region in kv)
+
+
+async def settle_then_check(
+    proc: subprocess.Popen[str], consumer: akv.Consumer, session: akv.TransferSession,
+    reqs: list[RequestInfo], kv: list[torch.Tensor], poisoned: list[int],
+) -> None:  # fmt: skip
+    """Resume the peer, let everything it still had in flight arrive, check the sentinel, and
+    pull again from the same engine."""
+    os.kill(proc.pid, signal.SIGCONT)
+    await anyio.sleep(2.0)  # the consumer's poller keeps progressing the agent meanwhile
+    session = await consumer.connect(session.endpoint)
+    r = reqs[3 + poisoned[0] // PER_REQUEST]  # a request of its own, into other blocks
+    result = await (await session.pull(r.request_id, local_ids(5), r.block_ids, transfer_timeout=30))
+    assert result.bytes == PER_REQUEST << 20
+    await anyio.sleep(0.5)
+    assert intact(kv, poisoned), "bytes of a failed pull landed after control returned"
+
+
+async def test_stalled_peer_timeout_leaves_blocks_alone(prefill: tuple[subprocess.Popen[str], str]) -> None:
+    """A pull whose peer is SIGSTOPped mid-transfer raises TransferTimeout within its timeout
+    plus a few seconds, and nothing of it lands after that, even once the peer resumes."""
+    proc, endpoint = prefill
+    s = spec()
+    reqs = await fetch_requests(endpoint, s, None, "w")
+    kv = akv.allocate_kv_cache(s, 0, 1)
+    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+        session = await consumer.connect(endpoint)
+        t = await session.pull(reqs[0].request_id, local_ids(0), reqs[0].block_ids, transfer_timeout=1.0)
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(akv.errors.TransferError):
+            with anyio.fail_after(15):
+                await t
+        elapsed = time.monotonic() - start
+        poison(kv, local_ids(0))
+        assert elapsed < 1.0 + 6.0
+        await settle_then_check(proc, consumer, session, reqs, kv, local_ids(0))
+
+
+async def test_closed_session_leaves_blocks_alone(prefill: tuple[subprocess.Popen[str], str]) -> None:
+    """Closing a session mid-transfer (peer stopped) fails its pull with ClosedError; once
+    aclose returns, nothing of the pull lands, even once the peer resumes."""
+    proc, endpoint = prefill
+    s = spec()
+    reqs = await fetch_requests(endpoint, s, None, "w")
+    kv = akv.allocate_kv_cache(s, 0, 1)
+    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+        session = await consumer.connect(endpoint)
+        t = await session.pull(reqs[1].request_id, local_ids(1), reqs[1].block_ids, transfer_timeout=30)
+        os.kill(proc.pid, signal.SIGSTOP)
+        await anyio.sleep(0.2)
+        with anyio.fail_after(10):
+            await session.aclose()
+        poison(kv, local_ids(1))
+        with pytest.raises(akv.errors.ClosedError):
+            await t
+        await settle_then_check(proc, consumer, session, reqs, kv, local_ids(1))
+
+
+async def test_short_timeout_leaves_blocks_alone(prefill: tuple[subprocess.Popen[str], str]) -> None:
+    """A timeout shorter than the transfer (no signal): once the pull raises, nothing of it lands."""
+    proc, endpoint = prefill
+    s = spec()
+    reqs = await fetch_requests(endpoint, s, None, "w")
+    kv = akv.allocate_kv_cache(s, 0, 1)
+    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+        session = await consumer.connect(endpoint)
+        t = await session.pull(reqs[2].request_id, local_ids(2), reqs[2].block_ids, transfer_timeout=0.002)
+        with pytest.raises(akv.TransferTimeout):
+            with anyio.fail_after(10):
+                await t
+        poison(kv, local_ids(2))
+        await settle_then_check(proc, consumer, session, reqs, kv, local_ids(2))
