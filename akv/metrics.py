@@ -34,6 +34,7 @@ COUNTERS: tuple[str, ...] = (
     "releases_dropped",
     "lease_extensions",
     "unsafe_reads",
+    "agent_resets",
 )
 
 

@@ -23,7 +23,18 @@ from tests.conftest import stop
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 BLOCKS, PER_REQUEST = 384, 64  # 1 MiB blocks: 64 MiB requests
-GEOMETRY = ["--layers", "8", "--kv-heads", "4", "--block-size", "64", "--head-dim", "128", "--dtype", "float16"]
+GEOMETRY = [
+    "--layers",
+    "8",
+    "--kv-heads",
+    "4",
+    "--block-size",
+    "64",
+    "--head-dim",
+    "128",
+    "--dtype",
+    "float16",
+]
 TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # data over TCP, not cma: reads stay in flight
 SENTINEL = 0x5A
 

@@ -3,6 +3,7 @@ module of akv that imports ``nixl``; it is loaded only when a rank starts."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -90,36 +91,80 @@ class Backend(Protocol):
 
     def notify(self, agent: str, message: bytes) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release everything and destroy the agent (*blocking*)."""
+
+    @property
+    def destroyed(self) -> bool:
+        """True once the closed agent is gone: nothing it started can write any more."""
 
 
 class Reaper:
-    """Releases transfer handles, retrying those NIXL cannot release yet (a transfer to a hung
-    peer), and runs each one's ``then`` (e.g. freeing the landing slot it may still write)
-    only once the handle is gone."""
+    """Holds transfer handles that were given up on (a failed, timed-out or closed pull) until
+    nothing of them can still land: NIXL reported the transfer DONE or in error (UCX completed
+    its operations), then the handle is released and its ``then`` runs (e.g. freeing the
+    landing slot it may still write). Releasing a handle NIXL still reports running would
+    not do: UCX cannot cancel an RMA read, so its bytes may land later.
+
+    Handles are held per ``owner`` (the op that posted them), so the runtime can tell whether
+    an op settled (`holds`), and how long the oldest one waits (`oldest`); once the backend is
+    closed (its agent destroyed, so nothing it started can land), everything held is settled.
+    """
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._held: dict[XferHandle, Callable[[], None] | None] = {}
+        self._held: dict[XferHandle, tuple[Callable[[], None] | None, object, float]] = {}
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def drop(self, handle: XferHandle, then: Callable[[], None] | None = None) -> None:
-        """Release ``handle`` now if NIXL can, else keep trying on every `retry`."""
-        if self.backend.closed or self.backend.release(handle):
+    def _dead(self, handle: XferHandle) -> bool:
+        from akv.errors import AkvError
+
+        try:
+            return self.backend.state(handle) == "DONE"
+        except AkvError:  # completed in error: UCX is done with its operations
+            return True
+
+    def drop(
+        self,
+        handle: XferHandle,
+        then: Callable[[], None] | None = None,
+        owner: object = None,
+        *,
+        done: bool = False,
+    ) -> None:
+        """Release ``handle`` now if NIXL says it is finished (``done``: the caller just saw it
+        DONE), else hold it (see `retry`)."""
+        if self.backend.closed or ((done or self._dead(handle)) and self.backend.release(handle)):
             if then is not None:
                 then()
         else:
-            self._held[handle] = then
+            self._held[handle] = (then, owner, time.monotonic())
 
     def retry(self) -> None:
-        """Try again to release the handles held."""
+        """Poll the handles held; release those finished."""
         if self.backend.closed:
-            self._held.clear()
+            self.abandon()
             return
-        for handle, then in list(self._held.items()):
-            if self.backend.release(handle):
+        for handle, (then, _owner, _since) in list(self._held.items()):
+            if self._dead(handle) and self.backend.release(handle):
                 del self._held[handle]
                 if then is not None:
                     then()
+
+    def holds(self, owner: object) -> bool:
+        """True while a handle of ``owner`` may still land."""
+        return any(held[1] is owner for held in self._held.values())
+
+    def oldest(self) -> float | None:
+        """``time.monotonic()`` when the oldest handle held was dropped, None if none is."""
+        return min((held[2] for held in self._held.values()), default=None)
+
+    def abandon(self) -> None:
+        """The backend was closed (its agent destroyed: nothing it started can land): settle
+        everything held."""
+        held, self._held = self._held, {}
+        for then, _owner, _since in held.values():
+            if then is not None:
+                then()

@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -169,6 +170,7 @@ class NixlBackend:
         self._loaded: dict[bytes, str] = {}  # digest of the metadata loaded -> agent name
         self._closed = False
         self._strided: bool | None = None
+        self._native: weakref.ref[Any] | None = None  # the destroyed agent, once closed
 
     @property
     def raw(self) -> Any:
@@ -378,7 +380,9 @@ class NixlBackend:
 
     @on_device
     def close(self) -> None:
-        """Release transfers, lists, remote agents and registrations, in that order. Idempotent."""
+        """Release transfers, lists, remote agents and registrations, in that order, then
+        destroy the agent (nothing it started can write into local memory afterwards).
+        Idempotent; blocking."""
         if self._closed:
             return
         self._closed = True
@@ -393,3 +397,16 @@ class NixlBackend:
             with contextlib.suppress(Exception):  # already gone: nothing else to undo
                 self._agent.deregister_memory(reg)
         self._registrations.clear()
+        # Destroy the agent: its UCX workers and endpoints go with it, so no operation it
+        # started (a read to a hung peer that NIXL could not cancel) can land afterwards.
+        # Handles NIXL refused to release hold the agent too: drop them as well.
+        self._xfers.clear()
+        self._dlists.clear()
+        agent, self._agent = self._agent, None
+        self._native = weakref.ref(agent.agent)  # a reference left elsewhere keeps it alive
+        del agent
+
+    @property
+    def destroyed(self) -> bool:
+        """True once the closed agent is gone (no handle or list of it is referenced any more)."""
+        return self._native is not None and self._native() is None

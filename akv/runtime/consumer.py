@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Sequence
@@ -82,6 +83,11 @@ class Consumer(RankBase):
             gathers and scatters on GPUs) or ``"torch"`` (torch everywhere: the GPU code path,
             also on CPU tensors).
         max_checks: exposure checks in flight at once.
+        settle_timeout: seconds a failed, timed-out or closed pull waits for NIXL to report
+            reads it started finished (UCX cannot cancel a read in flight) before this rank
+            destroys its NIXL agent, so that nothing of them can land, and starts a fresh one
+            (sessions re-link on their next pull). A pull never reports its outcome while a
+            read it started may still write into its blocks.
         backend: a transport backend to use instead of creating a NIXL agent.
         progress_thread: let UCX run its own progress thread.
         nixl_threads: worker threads of the NIXL agent, for posting large transfers in
@@ -115,6 +121,7 @@ class Consumer(RankBase):
         spin_s: float = 0.002,
         poll_max_s: float = 0.002,
         nixl_threads: int = 0,
+        settle_timeout: float = 2.0,
     ) -> None:
         super().__init__(
             kv_caches,
@@ -130,6 +137,9 @@ class Consumer(RankBase):
         )
         if not transfer_timeout > 0:
             raise ConfigError(f"transfer_timeout must be > 0, got {transfer_timeout}")
+        if not 0 < settle_timeout < float("inf"):
+            raise ConfigError(f"settle_timeout must be a finite number of seconds > 0, got {settle_timeout}")
+        self.settle_timeout = settle_timeout
         self.secret = resolve_secret(secret)
         self.connect_timeout = connect_timeout
         self.handshake_timeout = handshake_timeout
@@ -156,6 +166,8 @@ class Consumer(RankBase):
         self._reaper: Reaper | None = None
         self._flush_until = 0.0
         self._reap_until = 0.0
+        self._settling: dict[Transfer, AkvError] = {}  # failed pulls whose reads may still land
+        self.agent_epoch = 0  # bumped each time the agent is replaced (see settle_timeout)
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         backend = self.backend
@@ -179,9 +191,15 @@ class Consumer(RankBase):
         for _state, transfer in self._tracker:
             self.fail(transfer, ClosedError("the consumer was closed"))
         for session in list(self._sessions.values()):
-            session.closed = True
             for transfer in list(session.transfers):
                 self.fail(transfer, ClosedError("the session was closed"))
+        if (self._settling or (self._reaper is not None and len(self._reaper))) and backend is not None:
+            backend.close()  # nothing of the failed pulls can land once the agent is destroyed
+            if self._reaper is not None:
+                self._reaper.abandon()  # drops their handles: the agent goes with the last one
+        self._finish_settled(everything=True)
+        for session in list(self._sessions.values()):
+            session.closed = True
             session._unload()
         self._sessions.clear()
 
@@ -275,7 +293,10 @@ class Consumer(RankBase):
         self._backoff.wake()
 
     def fail(self, transfer: Transfer, error: AkvError) -> None:
-        """Fail a pull: stop its transfer and settle it with ``error``."""
+        """Fail a pull: stop its transfer and settle it with ``error`` once nothing it started
+        can still write into its blocks (at once, unless NIXL still reports reads running)."""
+        if transfer in self._settling:
+            return
         transfer.op.abort()
         was_done = transfer.done()
         transfer.state.fail()
@@ -290,7 +311,68 @@ class Consumer(RankBase):
                 "transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed"
             )
             self._log.info("transfer failed", request=transfer.request_id, error=str(error))
+        if not was_done and self._reaper is not None and self._reaper.holds(transfer.op):
+            self._settling[transfer] = error  # settled by the poller (see settle_timeout)
+            self._backoff.wake()
+            return
         transfer.finish(error)
+
+    async def settle(self, op: object) -> None:
+        """Wait until nothing ``op`` started can still land (bounded by ``settle_timeout``
+        and an agent reset, for an agent this rank created)."""
+        while self._reaper is not None and self._reaper.holds(op) and not self.closed:
+            self._backoff.wake()
+            await anyio.sleep(0.005)
+
+    def _finish_settled(self, everything: bool = False) -> None:
+        """Report the failed pulls nothing of which can land any more."""
+        reaper = self._reaper
+        for transfer, error in list(self._settling.items()):
+            if everything or reaper is None or not reaper.holds(transfer.op):
+                del self._settling[transfer]
+                transfer.finish(error)
+
+    async def _reset_agent(self) -> None:
+        """Reads NIXL cannot cancel outlived ``settle_timeout``: replace this rank's agent.
+        The old one is destroyed (its UCX workers and endpoints with it), so nothing it
+        started can land; every session re-links with the new one on its next pull."""
+        old, old_reaper = self.backend, self.reaper
+        self._log.warning(
+            "reads that NIXL cannot cancel are still in flight: replacing this rank's NIXL agent",
+            held=len(old_reaper),
+            settle_timeout=self.settle_timeout,
+        )
+        new = await anyio.to_thread.run_sync(self._new_backend)
+        try:
+            await anyio.to_thread.run_sync(new.register, self.kv_caches)
+            dlist = None
+            if self.verify_exposure:
+                await anyio.to_thread.run_sync(new.register_host, self.checks.array)
+                dlist = await anyio.to_thread.run_sync(new.prep, "", self.checks.table(), "DRAM")
+        except BaseException:
+            await anyio.to_thread.run_sync(new.close)
+            raise
+        error = PeerLostError(
+            "this decode rank replaced its NIXL agent (reads to a hung or slow peer could not be "
+            "cancelled): pull again"
+        )
+        for session in list(self._sessions.values()):
+            session.reset_links(error)
+        for _state, transfer in list(self._tracker):
+            self.fail(transfer, error)
+        self._backend, self._reaper = new, Reaper(new)
+        self.checks.dlist = dlist
+        self._local_dlists.clear()
+        self.agent_epoch += 1
+        await anyio.to_thread.run_sync(old.close)
+        old_reaper.abandon()  # drops its handles: the old agent is destroyed now
+        del old_reaper
+        if not old.destroyed:
+            gc.collect()
+        if not old.destroyed:  # pragma: no cover - a list or handle of it is still referenced
+            self._log.error("the replaced NIXL agent is still referenced: its reads may still land")
+        self._finish_settled(everything=True)
+        self.metrics.inc("agent_resets")
 
     def _complete(self, transfer: Transfer) -> None:
         session = transfer.session
@@ -344,10 +426,16 @@ class Consumer(RankBase):
                     progressed |= self._check(transfer, now)
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.fail(transfer, exc)
-            backend = self.backend
             reaper = self.reaper
             if len(reaper):
                 reaper.retry()
+            if self._settling:
+                self._finish_settled()
+            oldest = reaper.oldest()
+            if self._own_backend and oldest is not None and now - oldest > self.settle_timeout:
+                await self._reset_agent()
+                continue
+            backend = self.backend
             if progressed:
                 backoff.progressed()
             flushing = now < self._flush_until

@@ -80,6 +80,7 @@ class RankBase:
         self.closed = False
         self._log = get_logger(type(self).__module__).bind(engine=engine_id, rank=tp_rank)
         self._backend = backend
+        self._own_backend = False  # True once this rank created its agent (it may then replace it)
         self._progress_thread = progress_thread
         if nixl_threads < 0:
             raise ConfigError(f"nixl_threads must be >= 0, got {nixl_threads}")
@@ -115,21 +116,10 @@ class RankBase:
     async def _open(self) -> None:
         async with AsyncExitStack() as stack:  # unwinds whatever started if a step fails
             if self._backend is None:
-                from akv.backends import mem_type
-                from akv.backends.nixl import NixlBackend
-
-                name = f"{self.engine_id}-{self._role}{self.tp_rank}-{uuid.uuid4().hex[:8]}"
-                kind, index = mem_type(self.kv_caches)
-                self._backend = await anyio.to_thread.run_sync(
-                    lambda: NixlBackend(
-                        name,
-                        progress_thread=self._progress_thread,
-                        cuda_device=index if kind == "VRAM" else None,
-                        num_threads=self._nixl_threads,
-                    )
-                )
+                self._own_backend = True
+                self._backend = await anyio.to_thread.run_sync(self._new_backend)
             backend = self._backend
-            stack.callback(backend.close)
+            stack.callback(self._close_backend)  # the one in use then (a consumer may replace it)
             stack.callback(self._close)
             await anyio.to_thread.run_sync(backend.register, self.kv_caches)
             tg = await stack.enter_async_context(anyio.create_task_group())
@@ -151,6 +141,24 @@ class RankBase:
             if exc is not None and _only(group, exc):
                 raise exc from None
             raise
+
+    def _new_backend(self) -> Backend:
+        """A fresh NIXL agent for this rank, with a name of its own (*blocking*)."""
+        from akv.backends import mem_type
+        from akv.backends.nixl import NixlBackend
+
+        name = f"{self.engine_id}-{self._role}{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+        kind, index = mem_type(self.kv_caches)
+        return NixlBackend(
+            name,
+            progress_thread=self._progress_thread,
+            cuda_device=index if kind == "VRAM" else None,
+            num_threads=self._nixl_threads,
+        )
+
+    def _close_backend(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
 
     def _close(self) -> None:
         self.closed = True

@@ -7,6 +7,7 @@ polls them. Each pull's progress is a pure `TransferState`.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sys
 import time
@@ -232,6 +233,15 @@ class RankLink:
     broken: bool = False
     loading: anyio.Event | None = None
     dropped: bool = False  # its reference to the remote agent was given back
+
+
+class _Unsettled(Exception):
+    """A launch failed while reads it posted may still land (internal)."""
+
+    def __init__(self, error: AkvError, op: object) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.op = op
 
 
 class TransferSession:
@@ -479,6 +489,7 @@ class TransferSession:
                 self._fail_rank(r, PeerLostError(f"the link to prefill rank {r} was reset"))
                 self._drop(link)
                 link.broken = True
+        epoch = c.agent_epoch
         fresh = await anyio.to_thread.run_sync(self._link_blocking, infos)
         before = {r: self.links[r] for r in fresh if r in self.links}
         installed = anyio.Event()
@@ -492,6 +503,10 @@ class TransferSession:
             }
             plan = TransferPlan(local_spec=c.cache, local=c.memory, remote_spec=ch.spec, remote=memory)
             await anyio.to_thread.run_sync(self._prep_blocking, plan)
+            if c.agent_epoch != epoch:  # the agent was replaced meanwhile: these links are dead
+                raise PeerLostError(
+                    "this decode rank replaced its NIXL agent during the handshake: pull again"
+                )
         except BaseException:
             for r, link in fresh.items():
                 self._drop(link)
@@ -711,7 +726,11 @@ class TransferSession:
         lease = request.lease_s if request.lease_s else self.lease_s  # the exposure's own lease
         heartbeat = lease / 3 if lease > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
-        op, notify = self._launch(plan, prepared, request.request_id, notice, request.generation)
+        try:
+            op, notify = self._launch(plan, prepared, request.request_id, notice, request.generation)
+        except _Unsettled as unsettled:
+            await c.settle(unsettled.op)  # no write lands after pull raises
+            raise unsettled.error from None
         transfer = Transfer(self, request.request_id, prepared, notice, state, op, notify)
         transfer.generation = request.generation
         self.transfers.add(transfer)
@@ -765,6 +784,8 @@ class TransferSession:
             self.mark_broken(failed.error, failed.rank)
             c.reap()
             c.metrics.inc("transfers_failed")
+            if c.reaper.holds(read):  # reads posted before the failure may still land
+                raise _Unsettled(failed.error, read)
             raise failed.error
         return read, prepared.standalone
 
@@ -813,11 +834,28 @@ class TransferSession:
         self.extend(request_ids)
 
     async def aclose(self) -> None:
-        """Fail this session's running transfers and forget the remote agents."""
+        """Fail this session's running transfers and forget the remote agents. Returns once
+        nothing those transfers started can still write into their blocks (see the
+        consumer's ``settle_timeout``)."""
         if self.closed:
             return
         self.closed = True
-        for transfer in list(self.transfers):
+        running = list(self.transfers)
+        for transfer in running:
             self.consumer.fail(transfer, ClosedError("the session was closed"))
+        for transfer in running:
+            with contextlib.suppress(AkvError):
+                await transfer.wait()
         self._unload()
         self.consumer.forget(self)
+
+    def reset_links(self, error: AkvError) -> None:
+        """The consumer replaced its agent: fail the pulls in flight with ``error`` and forget
+        every handle of the old agent (without calling it); the next pull re-links."""
+        for transfer in list(self.transfers):
+            self.consumer.fail(transfer, error)
+        for link in self.links.values():
+            link.dropped = True  # its reference died with the old agent
+            link.check = None
+            link.broken = True
+        self.dlists.clear()

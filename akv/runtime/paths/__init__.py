@@ -13,8 +13,11 @@ ranks) when it is launched, and reports its outcome as a value.
 
 Every path keeps the guarantees of a pull: it reports success only if, once its bytes were
 in place, every block it read was still exposed for the request (the exposure check), and
-`PathOp.abort` returns only when nothing it started can still write into the pull's blocks
-(or hands what may still land to the backend's reaper, which keeps the landing slots).
+`PathOp.abort` returns only when nothing it started can still write into the pull's blocks,
+or hands what may still land to the backend's reaper with the op as owner (the reaper keeps
+the landing slots, staging and exposure-check slots alike, until NIXL reports each transfer
+finished). The consumer settles a failed pull only once ``reaper.holds(op)`` is False, or
+after destroying the agent (see `akv.runtime.consumer`): no write lands after control returns.
 """
 
 from __future__ import annotations
@@ -91,4 +94,5 @@ class PathOp(Protocol):
 
     def abort(self) -> None:
         """Stop: release what the op holds. When it returns, nothing the op started can write
-        into the pull's blocks, or what may still land is held by the backend's reaper."""
+        into the pull's blocks, or what may still land is held by the backend's reaper, owned
+        by this op (never released while NIXL still reports it running)."""

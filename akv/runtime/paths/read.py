@@ -103,6 +103,7 @@ class NixlRead:
         self.pool = pool
         self.generation = generation  # the exposure generation the pull is bound to (0: none)
         self.checking = False
+        self._ranks = frozenset(post.rank for post in posts)
         self._pending: dict[XferHandle, int] = {}
         self._slots: dict[int, int] = {}  # prefill rank -> check slot
 
@@ -110,7 +111,7 @@ class NixlRead:
     def ranks(self) -> frozenset[int]:
         """The prefill ranks read from: until the exposure check is verified, losing any of
         them (or re-linking it) fails the pull."""
-        return frozenset(post.rank for post in self.posts)
+        return self._ranks
 
     def start(self) -> Failed | None:
         """Post the data reads; on failure nothing stays posted."""
@@ -134,11 +135,12 @@ class NixlRead:
                 return Failed(exc, rank)
             if done:
                 del self._pending[handle]
-                self.reaper.drop(handle)
+                self.reaper.drop(handle, done=True)
                 changed = True
         if self._pending:
             return Pending(changed)
         if self.checks is None:
+            self._forget()
             return None
         if not self.checking:
             self.checking = True
@@ -148,7 +150,13 @@ class NixlRead:
         if error is not None:
             return Failed(error)
         self._free_slots()
+        self._forget()
         return None
+
+    def _forget(self) -> None:
+        """Drop the prepared lists (a finished op must not keep a replaced agent alive)."""
+        self.posts = ()
+        self.checks = {}
 
     def _post_checks(self) -> Failed | None:
         """Read the request's exposure-table bucket from every rank read from (with the notice)."""
@@ -192,8 +200,9 @@ class NixlRead:
         self._slots.clear()
 
     def abort(self) -> None:
-        """Release every handle; a check slot a read may still land in goes back only once
-        NIXL released that read."""
+        """Hand every handle in flight to the reaper, which holds it (and the check slot it may
+        still land in) until NIXL reports it finished; ``reaper.holds(self)`` says whether
+        anything of this pull may still land."""
         pool = self.pool
         for handle, rank in list(self._pending.items()):
             slot = self._slots.pop(rank, None) if self.checking else None
@@ -203,6 +212,7 @@ class NixlRead:
                 def then(slot: int = slot, pool: CheckPool = pool) -> None:
                     pool.release(slot)
 
-            self.reaper.drop(handle, then)
+            self.reaper.drop(handle, then, owner=self)
         self._pending.clear()
         self._free_slots()
+        self._forget()
