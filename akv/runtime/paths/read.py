@@ -104,6 +104,7 @@ class NixlRead:
         self.generation = generation  # the exposure generation the pull is bound to (0: none)
         self.checking = False
         self._ranks = frozenset(post.rank for post in posts)
+        self._errored: XferHandle = None
         self._pending: dict[XferHandle, int] = {}
         self._slots: dict[int, int] = {}  # prefill rank -> check slot
 
@@ -132,6 +133,7 @@ class NixlRead:
             try:
                 done = self.backend.state(handle) == "DONE"
             except TransferError as exc:
+                self._errored = handle  # finished, in error: nothing more of it lands
                 return Failed(exc, rank)
             if done:
                 del self._pending[handle]
@@ -212,7 +214,7 @@ class NixlRead:
                 def then(slot: int = slot, pool: CheckPool = pool) -> None:
                     pool.release(slot)
 
-            self.reaper.drop(handle, then, owner=self)
+            self.reaper.drop(handle, then, owner=self, done=handle is self._errored)
         self._pending.clear()
         self._free_slots()
         self._forget()
