@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from akv.runtime.producer import EngineRelease, EngineReleases, Producer, Release
     from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
     from akv.sharding import expected_notifications, held_heads, plan_reads
+    from akv.tls import TLSConfig
 
 __version__ = "0.1.0"
 
@@ -95,6 +96,7 @@ _LAZY: dict[str, str] = {
     "TransferResult": "akv.runtime.session",
     "TransferSession": "akv.runtime.session",
     "TransferStats": "akv.metrics",
+    "TLSConfig": "akv.tls",
     "allocate_kv_cache": "akv.geometry.tensors",
     "expected_notifications": "akv.sharding",
     "parse_engine_address": "akv.protocol.address",
@@ -158,6 +160,7 @@ __all__ = [
     "Release",
     "ReleasedError",
     "ServerBusyError",
+    "TLSConfig",
     "Transfer",
     "TransferError",
     "TransferResult",

@@ -418,10 +418,13 @@ def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subpro
     raise AkvError(f"akv prefill exited ({code}) before it was ready: {' '.join(cmd)}")
 
 
-async def fetch_requests(endpoint: str, spec: Any, secret: str | None, engine_id: str) -> list[RequestInfo]:
+async def fetch_requests(
+    endpoint: str, spec: Any, secret: str | None, engine_id: str, tls: Any = None
+) -> list[RequestInfo]:
     """Ask the prefill engine at ``endpoint`` (any engine address: its rank 0 answers) which
     requests it exposed (the demo's stand-in for a router), as decode engine ``engine_id``
-    with the model ``spec`` and ``secret``."""
+    with the model ``spec`` and ``secret`` (over TLS with an [`akv.TLSConfig`][akv.TLSConfig]
+    ``tls``)."""
     from akv.geometry.cache import as_cache
     from akv.protocol.address import BootstrapAddress, EtcdAddress, parse_engine_address
     from akv.protocol.handshake import resolve_secret
@@ -453,6 +456,7 @@ async def fetch_requests(endpoint: str, spec: Any, secret: str | None, engine_id
         secret=resolve_secret(secret),
         choose_ranks=lambda ch: [],
         list_requests=True,
+        tls=tls.client_context() if tls is not None else None,
     )
     return list(result.requests or [])
 

@@ -129,9 +129,10 @@ async def prefill_engine(
     secret: str | None = None,
     lease: float = 30.0,
     engine_id: str = "prefill",
+    tls: akv.TLSConfig | None = None,
 ) -> AsyncIterator[Engine]:
     async with AsyncExitStack() as stack:
-        server = akv.ControlServer(secret=secret)
+        server = akv.ControlServer(secret=secret, tls=tls)
         tg = await stack.enter_async_context(anyio.create_task_group())
         await tg.start(server.serve)
         engine = Engine(spec, [], server)

@@ -147,6 +147,44 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret", default=None, help="shared secret of the control plane (default: $AKV_SECRET)")
 
 
+def add_tls_flags(p: argparse.ArgumentParser) -> None:
+    """``--tls-cert``, ``--tls-key``, ``--tls-ca``: TLS on the control plane (issue 24, item 11)."""
+    g = p.add_argument_group("TLS on the control plane (handshakes; the NIXL data plane is not covered)")
+    g.add_argument("--tls-cert", metavar="PEM", help="this side's certificate (serving: required for TLS)")
+    g.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="CA that verifies the peer: servers' certificates when connecting; when serving, "
+        "clients must then present a certificate it signed",
+    )
+
+
+def tls_from_args(a: argparse.Namespace, *, serve: bool, connect: bool, why: str = "") -> Any:
+    """The [`TLSConfig`][akv.TLSConfig] of the TLS flags (None without any), its files loaded
+    now: a [`ConfigError`][akv.errors.ConfigError] naming the flag otherwise."""
+    from akv.tls import TLSConfig
+
+    cert, key, ca = (getattr(a, f"tls_{n}", None) for n in ("cert", "key", "ca"))
+    if cert is None and key is None and ca is None:
+        return None
+    check((cert is None) == (key is None), "--tls-cert and --tls-key go together: give both, or neither")
+    check(
+        not serve or cert is not None,
+        "serving TLS needs --tls-cert and --tls-key (this engine's certificate and its key)",
+    )
+    check(
+        not connect or ca is not None,
+        f"connecting over TLS needs --tls-ca, the CA that signed the prefill ranks' certificates{why}",
+    )
+    try:
+        tls = TLSConfig(cert=cert, key=key, ca=ca)
+        tls.check(serve=serve, connect=connect)
+    except ConfigError as exc:
+        raise ConfigError(f"--tls-cert/--tls-key/--tls-ca: {exc}") from None
+    return tls
+
+
 # -- validation (no I/O) ------------------------------------------------------------------
 
 

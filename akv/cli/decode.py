@@ -26,6 +26,7 @@ from akv.cli.args import (
     rank_device,
     report,
     spec_from_args,
+    tls_from_args,
     use_gpu_environment,
 )
 from akv.cli.fanout import (
@@ -61,6 +62,7 @@ def validate(a: argparse.Namespace) -> None:
             f"--connect: {exc} (the endpoint of the prefill engine's ready line is its bootstrap)"
         ) from None
     check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
+    a.tls = tls_from_args(a, serve=False, connect=True)
     check_model(a, "--tp-size")
     device_of(a)  # checked before any I/O
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
@@ -130,7 +132,7 @@ async def run_decode(
     mine = [a.tp_rank] if a.tp_rank is not None else list(range(size))
     log = get_logger("akv.cli.decode")
     engine_id = a.engine_id or default_engine_id("decode")
-    requests = await fetch_requests(a.connect, spec, a.secret, engine_id)
+    requests = await fetch_requests(a.connect, spec, a.secret, engine_id, getattr(a, "tls", None))
     cache = as_cache(spec)
     stats = {"verified": 0, "bytes": 0, "descriptors": 0}
     failed: list[str] = []
@@ -149,6 +151,7 @@ async def run_decode(
                     engine_id=engine_id,
                     secret=a.secret,
                     transfer_timeout=a.transfer_timeout,
+                    tls=getattr(a, "tls", None),
                 )
             )
             for d in mine

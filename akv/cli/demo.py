@@ -27,6 +27,7 @@ from akv.cli.args import (
     model_argv,
     size_pool,
     spec_from_args,
+    tls_from_args,
     use_gpu_environment,
     verbosity_argv,
 )
@@ -41,6 +42,7 @@ __all__ = ["cmd_demo", "run_demo", "validate"]
 def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv demo``, before starting anything; sizes ``--blocks`` if not given."""
     check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
+    tls_from_args(a, serve=True, connect=True, why=" (the demo's decode verifies its prefill)")
     check_model(a, "--prefill-tp", "--decode-tp")
     a.devices = {side: device_of(a, side) for side in ("prefill", "decode")}
     for flag, value in (
@@ -137,6 +139,14 @@ async def _run_demo(
         *model_argv(a, layout=a.decode_layout, block_size=a.decode_block_size),
         *verbosity_argv(a),
     ]
+    tls = [  # both sides use the same certificate (a client certificate too, when --tls-ca is given)
+        arg
+        for flag in ("cert", "key", "ca")
+        if getattr(a, f"tls_{flag}")
+        for arg in (f"--tls-{flag}", getattr(a, f"tls_{flag}"))
+    ]
+    prefill_model += tls
+    decode_model += tls
     prefill_cmd = [
         *py,
         "prefill",

@@ -32,6 +32,7 @@ from akv.cli.args import (
     report,
     size_pool,
     spec_from_args,
+    tls_from_args,
     use_gpu_environment,
 )
 from akv.cli.fanout import (
@@ -54,6 +55,12 @@ __all__ = ["cmd_prefill", "run_prefill", "run_prefill_engine", "validate"]
 def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv prefill``, before any I/O ([`ConfigError`][akv.errors.ConfigError] naming the flag)."""
     check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
+    a.tls = tls_from_args(
+        a,
+        serve=True,
+        connect=a.tp_size > 1 or a.bootstrap is not None,
+        why=" (ranks > 0 register with rank 0 over TLS)",
+    )
     check_model(a, "--tp-size")
     device_of(a)  # checked before any I/O
     size_pool(a)
@@ -136,6 +143,7 @@ async def run_prefill(
         allow_insecure=a.allow_insecure,
         directory=lambda: requests,
         advertise_host=a.advertise_host,
+        tls=getattr(a, "tls", None),
     )
     kv = allocate_kv_cache(spec, rank, size, device=rank_device(device_of(a), rank))
     for req in requests if not a.no_fill else ():
@@ -153,6 +161,7 @@ async def run_prefill(
         etcd=a.etcd,
         etcd_ttl=a.etcd_ttl,
         max_exposed=max(16384, 2 * len(requests)),
+        tls=getattr(a, "tls", None),
     )
     started = time.monotonic()
     async with anyio.create_task_group() as tg:

@@ -34,6 +34,7 @@ from akv.runtime.paths import Failed, Pending
 from akv.runtime.paths.read import CheckPool
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
+from akv.tls import TLSConfig
 from akv.tracker import TransferTracker
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ class Consumer(RankBase):
             destroys its NIXL agent, so that nothing of them can land, and starts a fresh one
             (sessions re-link on their next pull). A pull never reports its outcome while a
             read it started may still write into its blocks.
+        tls: handshake over TLS, verifying the prefill ranks' certificates against its CA
+            (and presenting its certificate, if any); see [`TLSConfig`][akv.TLSConfig].
         backend: a transport backend to use instead of creating a NIXL agent.
         progress_thread: let UCX run its own progress thread.
         nixl_threads: worker threads of the NIXL agent, for posting large transfers in
@@ -122,6 +125,7 @@ class Consumer(RankBase):
         poll_max_s: float = 0.002,
         nixl_threads: int = 0,
         settle_timeout: float = 2.0,
+        tls: TLSConfig | None = None,
     ) -> None:
         super().__init__(
             kv_caches,
@@ -140,6 +144,7 @@ class Consumer(RankBase):
         if not 0 < settle_timeout < float("inf"):
             raise ConfigError(f"settle_timeout must be a finite number of seconds > 0, got {settle_timeout}")
         self.settle_timeout = settle_timeout
+        self.tls_context = tls.client_context() if tls is not None else None
         self.secret = resolve_secret(secret)
         self.connect_timeout = connect_timeout
         self.handshake_timeout = handshake_timeout

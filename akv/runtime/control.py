@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import math
 import secrets as _secrets
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 import anyio
 import msgspec
-from anyio.abc import SocketStream, TaskStatus
+from anyio.abc import ByteStream, SocketStream, TaskStatus
 
 from akv._log import get_logger
 from akv.errors import (
@@ -55,6 +56,7 @@ from akv.protocol.messages import (
     decode_message,
     encode_frame,
 )
+from akv.tls import TLSConfig, client_wrap, server_wrap, tls_failure
 
 __all__ = [
     "ControlServer",
@@ -107,6 +109,9 @@ class ControlServer:
         metrics: where to count handshakes (default: a new [`Metrics`][akv.Metrics]).
         advertise_host: the address other ranks and decode engines reach this server at
             (default ``host``; give it when binding ``0.0.0.0`` or ``::``).
+        tls: serve over TLS with this certificate and key (and, with a CA, require client
+            certificates it signed); see [`TLSConfig`][akv.TLSConfig]. The TLS handshake
+            counts against the handshake deadline and the unauthenticated caps.
 
     Raises:
         ConfigError: a non-loopback ``host`` without a secret or ``allow_insecure``; an empty secret.
@@ -128,8 +133,11 @@ class ControlServer:
         directory: Callable[[], Sequence[RequestInfo]] | None = None,
         metrics: Metrics | None = None,
         advertise_host: str | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.secret = resolve_secret(secret)
+        self.tls = tls
+        self._tls_context: ssl.SSLContext | None = tls.server_context() if tls is not None else None
         if not is_loopback(host) and self.secret is None and not allow_insecure:
             raise ConfigError(
                 f"refusing to serve KV metadata on non-loopback address {host!r} without a secret: "
@@ -301,15 +309,26 @@ class ControlServer:
             self._conns[id(conn)] = conn
             try:
                 with conn.scope:
-                    await self._converse(stream, conn)
+                    await self._converse(await self._secure(stream, conn), conn)
             except (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError, OSError):
                 pass
+            except AuthenticationError as exc:
+                self.metrics.inc("auth_failures")
+                log.info("control connection refused", reason=str(exc), source=source)
             except AkvError as exc:  # never let one connection take the listener down
                 log.warning("control connection failed", error=str(exc))
             finally:
                 self._conns.pop(id(conn), None)
 
-    async def _converse(self, stream: SocketStream, conn: _Conn) -> None:
+    async def _secure(self, stream: SocketStream, conn: _Conn) -> ByteStream:
+        """The connection as the conversation uses it: TLS-wrapped within the handshake
+        deadline when the server serves TLS."""
+        if self._tls_context is None:
+            return stream
+        with anyio.fail_after(max(conn.started + self.handshake_timeout - time.monotonic(), 0.001)):
+            return await server_wrap(stream, self._tls_context)
+
+    async def _converse(self, stream: ByteStream, conn: _Conn) -> None:
         conv = ServerConversation(
             self.ranks,
             self.secret,
@@ -372,7 +391,7 @@ def _geometry_differences(ours: Any, theirs: Any) -> list[tuple[str, str, str]]:
 class _Client:
     """Frames in and out of one client connection."""
 
-    def __init__(self, stream: SocketStream) -> None:
+    def __init__(self, stream: ByteStream) -> None:
         self.stream = stream
         self.frames = FrameBuffer(DEFAULT_CLIENT_MAX_FRAME)
         self.pending: list[bytes] = []
@@ -386,7 +405,10 @@ class _Client:
             try:
                 data = await self.stream.receive(1 << 20)
             except anyio.EndOfStream:
-                raise HandshakeError("the remote engine closed the connection mid-handshake") from None
+                raise HandshakeError(
+                    "the remote engine closed the connection mid-handshake (a TLS server does this to a "
+                    "plaintext client, or to one without a client certificate its CA signed)"
+                ) from None
             self.pending.extend(self.frames.feed(data))
         body = self.pending.pop(0)
         return decode_message(body), body
@@ -414,13 +436,15 @@ async def client_handshake(
     backoff: float = 0.2,
     list_requests: bool = False,
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    tls: ssl.SSLContext | None = None,
 ) -> HandshakeResult:
     """Run the client side against one endpoint, retrying unreachable endpoints with backoff.
 
     A server answering ``busy`` (no room for another connection) is tried again until
     ``connect_timeout`` has passed since the first attempt. Raises
     [`HandshakeError`][akv.errors.HandshakeError] (or a subclass) naming the endpoint; refusals by the
-    server (incompatible, auth) are not retried.
+    server (incompatible, auth) are not retried. ``tls``: a client context (see
+    [`TLSConfig.client_context`][akv.TLSConfig.client_context]) to talk TLS with.
     """
     last: Exception | None = None
     busy_until = time.monotonic() + connect_timeout
@@ -439,12 +463,17 @@ async def client_handshake(
             try:
                 conv = ClientConversation(hello, secret, choose_ranks, list_requests=list_requests)
                 with anyio.fail_after(handshake_timeout):
-                    return await _converse_client(_Client(stream), conv)
+                    wire = stream if tls is None else await client_wrap(stream, tls, endpoint.host, endpoint)
+                    return await _converse_client(_Client(wire), conv)
+            except ssl.SSLError as exc:  # after the TLS handshake: e.g. our certificate refused
+                raise tls_failure(exc, endpoint) from None
             except TimeoutError:
                 raise HandshakeError(
                     f"handshake with {endpoint} timed out after {handshake_timeout}s (hung peer?)"
                 ) from None
             except (anyio.BrokenResourceError, OSError) as exc:
+                if tls is not None:  # TLS was set up: the server dropped us (our certificate?)
+                    raise tls_failure(exc, endpoint) from None
                 last = exc
                 continue
             except ServerBusyError as exc:
@@ -467,6 +496,7 @@ async def register_rank(
     *,
     secret: bytes | None,
     timeout: float = 5.0,  # noqa: ASYNC109 (one deadline for connect, send and reply)
+    tls: ssl.SSLContext | None = None,
 ) -> Registered:
     """Register a rank's endpoint with its engine's bootstrap; returns its reply (the engine
     id and instance id), whose MAC is checked when there is a secret.
@@ -480,9 +510,12 @@ async def register_rank(
     try:
         with anyio.fail_after(timeout):
             async with await anyio.connect_tcp(bootstrap.host, bootstrap.port) as stream:
-                client = _Client(stream)
+                wire = stream if tls is None else await client_wrap(stream, tls, bootstrap.host, bootstrap)
+                client = _Client(wire)
                 await client.send(msg)
                 reply, _ = await client.receive()
+    except ssl.SSLError as exc:
+        raise tls_failure(exc, bootstrap) from None
     except (OSError, TimeoutError, anyio.BrokenResourceError) as exc:
         raise HandshakeError(f"cannot register with the bootstrap at {bootstrap}: {exc}") from None
     if isinstance(reply, Error):

@@ -41,6 +41,7 @@ from akv.protocol.messages import Notice, RankInfo, Register, decode_notice
 from akv.runtime import local
 from akv.runtime.control import ControlServer, register_rank
 from akv.runtime.rank import RankBase, default_engine_id
+from akv.tls import TLSConfig
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +100,9 @@ class Producer(RankBase):
             parallel (0: none, NIXL's default; see docs/gpu.md).
         poll_max_s: longest sleep of the notification poller while requests are pending.
         spin_s: how long the poller spins after progress before sleeping.
+        tls: serve the control plane over TLS (when this producer creates its server) and,
+            for a rank > 0, register with the bootstrap over TLS (the CA is then required);
+            see [`TLSConfig`][akv.TLSConfig].
     """
 
     _role = "p"
@@ -128,6 +132,7 @@ class Producer(RankBase):
         poll_max_s: float = 0.002,
         spin_s: float = 0.002,
         nixl_threads: int = 0,
+        tls: TLSConfig | None = None,
     ) -> None:
         if etcd is not None and engine_id is None:
             raise ConfigError("registering in etcd needs an explicit engine_id, the same on every rank")
@@ -156,7 +161,11 @@ class Producer(RankBase):
             allow_insecure=allow_insecure,
             metrics=self.metrics,
             advertise_host=advertise_host,
+            tls=tls,
         )
+        tls = tls if tls is not None else self.server.tls
+        # A rank > 0 registers with its bootstrap over TLS when it serves TLS (it needs the CA).
+        self._tls_client = tls.client_context() if tls is not None and bootstrap is not None else None
         self.bootstrap = parse_endpoint(bootstrap) if bootstrap is not None else None
         if self.bootstrap is not None and tp_rank == 0:
             raise ConfigError("rank 0 is the engine's bootstrap: give --bootstrap to ranks > 0 only")
@@ -230,7 +239,7 @@ class Producer(RankBase):
         started, warned, delay = False, False, 0.1
         while True:
             try:
-                reply = await register_rank(bootstrap, msg, secret=self.server.secret)
+                reply = await register_rank(bootstrap, msg, secret=self.server.secret, tls=self._tls_client)
             except IncompatiblePeerError as exc:  # refusals are told apart by type, never by wording
                 if not started:
                     raise IncompatiblePeerError(

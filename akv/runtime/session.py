@@ -341,6 +341,7 @@ class TransferSession:
             connect_timeout=c.connect_timeout,
             handshake_timeout=c.handshake_timeout,
             retries=c.retries,
+            tls=c.tls_context,
         )
 
     async def _fetch(self, ranks: set[int] | None) -> tuple[Challenge, dict[int, RankInfo]]:
