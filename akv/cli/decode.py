@@ -229,6 +229,7 @@ async def run_decode(
                         local_block_ids=ids,
                         remote_block_ids=req.block_ids,
                         num_tokens=tokens,
+                        generation=req.generation,  # bound to the exposure prefill announced
                     )
                     used: set[str] = set()
                     ok = all([await pull(d, pr, req.seed, used) for d in mine])

@@ -7,6 +7,7 @@ rank and aggregates their summaries."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import signal
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import msgspec
 
 from akv._log import get_logger
 from akv.cli.args import (
@@ -111,6 +113,13 @@ def validate(a: argparse.Namespace) -> None:
             raise ConfigError(f"--etcd {a.etcd!r} is not HOST:PORT[,HOST:PORT...]") from None
 
 
+def announced_generation(engine_id: str, seed: int, request_id: str) -> int:
+    """The exposure generation every rank of a command-line engine gives a request: the same
+    on each rank (they share --engine-id and --seed), in ``[1, 2**31)``."""
+    digest = hashlib.sha256(f"{engine_id}/{seed}/{request_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % (2**31 - 1) + 1
+
+
 def _requests(a: argparse.Namespace, spec: Any) -> list[RequestInfo]:
     if a.requests_file:
         return load_requests(a.requests_file)
@@ -173,8 +182,16 @@ async def run_prefill(
                 "choose a free --port (0 picks one) and an address of this machine"
             ) from None
         async with producer:
+            # Every rank exposes a request under one generation, announced to decode, which
+            # binds its pulls to it (ReexposedError if the request was exposed again).
+            requests[:] = [
+                msgspec.structs.replace(
+                    req, generation=announced_generation(a.engine_id, a.seed, req.request_id)
+                )
+                for req in requests
+            ]
             for req in requests:
-                producer.expose(req.request_id, req.block_ids)
+                producer.expose(req.request_id, req.block_ids, generation=req.generation)
             ready = {
                 "event": "ready",
                 "endpoint": str(endpoint),
