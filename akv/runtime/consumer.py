@@ -173,6 +173,7 @@ class Consumer(RankBase):
         self._reap_until = 0.0
         self._settling: dict[Transfer, AkvError] = {}  # failed pulls whose reads may still land
         self.agent_epoch = 0  # bumped each time the agent is replaced (see settle_timeout)
+        self._resetting: anyio.Event | None = None  # set while the agent is being replaced
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         backend = self.backend
@@ -325,9 +326,14 @@ class Consumer(RankBase):
     async def settle(self, op: object) -> None:
         """Wait until nothing ``op`` started can still land (bounded by ``settle_timeout``
         and an agent reset, for an agent this rank created)."""
-        while self._reaper is not None and self._reaper.holds(op) and not self.closed:
-            self._backoff.wake()
-            await anyio.sleep(0.005)
+        while not self.closed:
+            if self._resetting is not None:  # the old agent is being destroyed
+                await self._resetting.wait()
+            elif self._reaper is not None and self._reaper.holds(op):
+                self._backoff.wake()
+                await anyio.sleep(0.005)
+            else:
+                return
 
     def _finish_settled(self, everything: bool = False) -> None:
         """Report the failed pulls nothing of which can land any more."""
@@ -342,6 +348,14 @@ class Consumer(RankBase):
         The old one is destroyed (its UCX workers and endpoints with it), so nothing it
         started can land; every session re-links with the new one on its next pull."""
         old, old_reaper = self.backend, self.reaper
+        self._resetting = resetting = anyio.Event()
+        try:
+            await self._replace_agent(old, old_reaper)
+        finally:
+            self._resetting = None
+            resetting.set()
+
+    async def _replace_agent(self, old: Backend, old_reaper: Reaper) -> None:
         self._log.warning(
             "reads that NIXL cannot cancel are still in flight: replacing this rank's NIXL agent",
             held=len(old_reaper),
