@@ -17,12 +17,12 @@ import akv
 from akv.cli import build_parser
 from akv.cli.args import spec_from_args
 from akv.protocol.messages import RequestInfo
-from akv.testing import fetch_requests, spawn_prefill
+from akv.testing import fetch_requests, spawn_prefill, verify_request
 from tests.conftest import stop
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-BLOCKS, PER_REQUEST = 384, 64  # 1 MiB blocks: 64 MiB requests
+BLOCKS, PER_REQUEST = 448, 64  # 1 MiB blocks: 64 MiB requests
 GEOMETRY = [
     "--layers",
     "8",
@@ -96,19 +96,23 @@ async def settle_then_check(
     r = reqs[3 + poisoned[0] // PER_REQUEST]  # a request of its own, into other blocks
     result = await (await session.pull(r.request_id, local_ids(5), r.block_ids, transfer_timeout=30))
     assert result.bytes == PER_REQUEST << 20
+    assert verify_request(kv, spec(), 0, 1, local_ids(5), r.seed)
     await anyio.sleep(0.5)
     assert intact(kv, poisoned), "bytes of a failed pull landed after control returned"
 
 
 async def test_stalled_peer_timeout_leaves_blocks_alone(prefill: tuple[subprocess.Popen[str], str]) -> None:
     """A pull whose peer is SIGSTOPped mid-transfer raises TransferTimeout within its timeout
-    plus a few seconds, and nothing of it lands after that, even once the peer resumes."""
+    plus a few seconds, and nothing of it lands after that, even once the peer resumes; a
+    second session to the engine (sharing its remote agent) pulls bit-exact afterwards."""
     proc, endpoint = prefill
     s = spec()
     reqs = await fetch_requests(endpoint, s, None, "w")
     kv = akv.allocate_kv_cache(s, 0, 1)
     async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
         session = await consumer.connect(endpoint)
+        other = await consumer.connect(endpoint.replace("127.0.0.1", "localhost"))
+        assert other is not session and other.agents == session.agents
         t = await session.pull(reqs[0].request_id, local_ids(0), reqs[0].block_ids, transfer_timeout=1.0)
         os.kill(proc.pid, signal.SIGSTOP)
         start = time.monotonic()
@@ -119,6 +123,9 @@ async def test_stalled_peer_timeout_leaves_blocks_alone(prefill: tuple[subproces
         poison(kv, local_ids(0))
         assert elapsed < 1.0 + 6.0
         await settle_then_check(proc, consumer, session, reqs, kv, local_ids(0))
+        r = reqs[6]
+        await (await other.pull(r.request_id, local_ids(6), r.block_ids, transfer_timeout=30))
+        assert verify_request(kv, s, 0, 1, local_ids(6), r.seed)
 
 
 async def test_closed_session_leaves_blocks_alone(prefill: tuple[subprocess.Popen[str], str]) -> None:
