@@ -87,6 +87,8 @@ ERROR_TABLE: dict[str, type[AkvError]] = {
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: Agent calls that are no-ops on a closed agent (everything they would undo is gone).
+_AFTER_CLOSE = frozenset({"close", "release", "release_dlist", "remove_remote"})
 
 
 def on_device(method: F) -> F:
@@ -95,6 +97,8 @@ def on_device(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self: NixlBackend, *args: Any, **kwargs: Any) -> Any:
+        if self._agent is None and method.__name__ not in _AFTER_CLOSE:
+            raise PeerLostError(f"the NIXL agent {self.name} was closed (replaced or shut down): pull again")
         if self.cuda_device is None:
             return method(self, *args, **kwargs)
         with cuda_context(self.cuda_device):
