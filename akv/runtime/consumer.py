@@ -174,6 +174,7 @@ class Consumer(RankBase):
         self._settling: dict[Transfer, AkvError] = {}  # failed pulls whose reads may still land
         self.agent_epoch = 0  # bumped each time the agent is replaced (see settle_timeout)
         self._resetting: anyio.Event | None = None  # set while the agent is being replaced
+        self._retry_reset_at = 0.0
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         backend = self.backend
@@ -451,8 +452,17 @@ class Consumer(RankBase):
             if self._settling:
                 self._finish_settled()
             oldest = reaper.oldest()
-            if self._own_backend and oldest is not None and now - oldest > self.settle_timeout:
-                await self._reset_agent()
+            if (
+                self._own_backend
+                and oldest is not None
+                and now - oldest > self.settle_timeout
+                and now >= self._retry_reset_at
+            ):
+                try:
+                    await self._reset_agent()
+                except AkvError as exc:  # no new agent: the failed pulls stay quarantined
+                    self._retry_reset_at = now + self.settle_timeout
+                    self._log.error("replacing the NIXL agent failed; trying again later", error=str(exc))
                 continue
             backend = self.backend
             if progressed:
