@@ -8,17 +8,21 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import pytest
 import torch
 
 import akv
+from akv.backends import XferHandle, XferState
+from akv.backends.nixl import NixlBackend
 from akv.cli import build_parser
 from akv.cli.args import spec_from_args
+from akv.errors import PeerLostError
 from akv.protocol.messages import RequestInfo
 from akv.testing import fetch_requests, spawn_prefill, verify_request
-from tests.conftest import stop
+from tests.conftest import make_spec, prefill_engine, stop
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -162,3 +166,47 @@ async def test_short_timeout_leaves_blocks_alone(prefill: tuple[subprocess.Popen
                 await t
         poison(kv, local_ids(2))
         await settle_then_check(proc, consumer, session, reqs, kv, local_ids(2))
+
+
+class HeldBackend(NixlBackend):
+    """The real agent, reporting every transfer running until ``hold_until`` (a read NIXL
+    cannot confirm finished), and failing the ``fail_post``-th post (counting from 1)."""
+
+    hold_until = 0.0
+    fail_post = 0
+    posts = 0
+
+    def state(self, handle: XferHandle) -> XferState:
+        if time.monotonic() < self.hold_until:
+            return "PROC"
+        return super().state(handle)
+
+    def read(self, *args: Any, **kwargs: Any) -> XferHandle:
+        self.posts += 1
+        if self.posts == self.fail_post:
+            raise PeerLostError("injected: posting failed")
+        return super().read(*args, **kwargs)
+
+
+async def test_reads_nixl_reports_running_hold_back_the_error() -> None:
+    """With a backend it did not create (so it cannot replace the agent), a consumer reports a
+    timed-out pull, and a pull whose second post failed, only once NIXL reports the reads
+    already posted finished (quarantine), never before."""
+    spec = make_spec(kv_heads=4)
+    async with prefill_engine(spec, 2) as engine:
+        engine.fill("a", [1, 2], seed=1)
+        engine.fill("b", [3, 4], seed=2)
+        backend = HeldBackend("held-war-d0")
+        kv = akv.allocate_kv_cache(spec, 0, 1)
+        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend, same_process="nixl") as c:
+            session = await c.connect(engine.endpoint)
+            backend.hold_until = time.monotonic() + 1.0
+            t = await session.pull("a", [0, 1], [1, 2], transfer_timeout=0.1)
+            with pytest.raises(akv.TransferTimeout):
+                await t
+            assert time.monotonic() >= backend.hold_until
+            backend.posts, backend.fail_post = 0, 2  # 2 -> 1: one read per prefill rank
+            backend.hold_until = time.monotonic() + 1.0
+            with pytest.raises(PeerLostError, match="injected"):
+                await session.pull("b", [2, 3], [3, 4])
+            assert time.monotonic() >= backend.hold_until
