@@ -31,6 +31,7 @@ COUNTERS: tuple[str, ...] = (
     "released_read",
     "released_expired",
     "released_closed",
+    "released_pushed",
     "releases_dropped",
     "lease_extensions",
     "unsafe_reads",

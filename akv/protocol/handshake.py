@@ -134,10 +134,14 @@ class HostedRank(Protocol):
     tp_rank: int
     tp_size: int
     lease_s: float
+    modes: tuple[str, ...]  # transfer modes served: "pull", "push"
 
     def rank_info(self) -> RankInfo: ...
 
     def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None: ...
+
+    def push_peer(self, hello: Hello) -> None:
+        """A decode rank that authenticated asks to be pushed to (load its agent)."""
 
 
 def register_mac(secret: bytes, msg: Register) -> bytes:
@@ -258,6 +262,15 @@ class ServerConversation:
             return self._fail("incompatible", str(exc), list(exc.fields))
         if msg.compat != first.cache.compat_hash():
             return self._fail("incompatible", "KV caches differ (compat hash)", ["compat"])
+        if msg.mode not in first.modes:
+            return self._fail(
+                "incompatible",
+                f"the decode rank asks for mode {msg.mode!r}, this engine serves {list(first.modes)}: "
+                "give both engines the same --mode",
+                ["mode"],
+            )
+        if msg.mode == "push" and not msg.agent_metadata:
+            return self._fail("config", "push mode needs the decode rank's agent metadata in its Hello")
         try:
             msg.spec.check_rank(msg.tp_rank, msg.tp_size)
         except ConfigError as exc:
@@ -274,6 +287,7 @@ class ServerConversation:
             lease_s=first.lease_s,
             endpoints=self.endpoints() if self.endpoints else [],
             instance_id=self.instance_id() if self.instance_id else "",
+            modes=[m for m in ("pull", "push") if m in first.modes],
         )
         return [self._send(challenge)], False
 
@@ -300,6 +314,8 @@ class ServerConversation:
             for rank in sorted(set(msg.ranks)):
                 hosted = self.ranks[rank]
                 hosted.peer_connected(hello.engine_id, hello.tp_rank, hello.tp_size, hello.agent_name)
+                if hello.mode == "push":  # only now: the MAC over the Hello was checked
+                    hosted.push_peer(hello)
                 infos.append(hosted.rank_info())
         except AkvError as exc:  # e.g. a rank shutting down: fail this handshake, keep serving
             return self._fail("config", f"prefill rank unavailable: {exc}")
@@ -415,6 +431,12 @@ class ClientConversation:
             raise ProtocolError(
                 f"the remote engine's ranks {msg.ranks[:8]} or {len(msg.endpoints)} endpoints do not fit "
                 f"its TP size {msg.tp_size} (at most {MAX_TP_SIZE})"
+            )
+        if self.hello.mode not in (msg.modes or ["pull"]):
+            raise IncompatiblePeerError(
+                f"remote engine {msg.engine_id} serves modes {list(msg.modes or ['pull'])}, this decode "
+                f"rank asks for {self.hello.mode!r}: give both engines the same --mode",
+                ("mode",),
             )
         self.challenge = msg
         self._asked = list(self.choose_ranks(msg))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -21,6 +22,7 @@ from akv.errors import (
     ClosedError,
     ConfigError,
     PeerLostError,
+    ProtocolError,
     TransferTimeout,
     UnsafeReadError,
 )
@@ -29,6 +31,7 @@ from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
+from akv.protocol.push import decode_push
 from akv.runtime.paths import Failed, Pending
 from akv.runtime.paths.read import CheckPool
 from akv.runtime.rank import RankBase, default_engine_id
@@ -88,6 +91,13 @@ class Consumer(RankBase):
             parallel (0: none, NIXL's default; see docs/gpu.md).
         spin_s: how long the poller spins after progress before sleeping.
         poll_max_s: longest sleep of the poller while pulls are in flight.
+        mode: ``"pull"`` (this rank READs) or ``"push"`` (the prefill ranks WRITE into the
+            blocks each pull grants them, layer by layer as prefill computes them; the
+            prefill engine must serve push, else connecting raises
+            [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``mode``).
+            Same API either way; ``TransferResult.path`` says ``"push"``.
+        stop_grace_s: push mode: seconds a failed or cancelled pull waits for its writers to
+            confirm they stopped before it removes their agents and settles anyway.
     """
 
     _role = "d"
@@ -115,6 +125,8 @@ class Consumer(RankBase):
         spin_s: float = 0.002,
         poll_max_s: float = 0.002,
         nixl_threads: int = 0,
+        mode: str = "pull",
+        stop_grace_s: float = 5.0,
     ) -> None:
         super().__init__(
             kv_caches,
@@ -145,6 +157,16 @@ class Consumer(RankBase):
         if copy_with not in ("auto", "torch"):
             raise ConfigError(f"copy_with must be 'auto' or 'torch', got {copy_with!r}")
         self.copy_with = copy_with
+        if mode not in ("pull", "push"):
+            raise ConfigError(f"mode must be 'pull' or 'push', got {mode!r}")
+        self.mode = mode
+        if not stop_grace_s > 0:
+            raise ConfigError(f"stop_grace_s must be > 0, got {stop_grace_s}")
+        self.stop_grace_s = stop_grace_s
+        self._grants: dict[int, Transfer] = {}  # push: grant id -> its pull, until settled
+        self._settling: dict[Transfer, tuple[AkvError, float]] = {}  # failed, writers not stopped yet
+        self._settled: anyio.Event | None = None
+        self._metadata: bytes | None = None
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
         self.checks = CheckPool(max_checks)
@@ -160,6 +182,8 @@ class Consumer(RankBase):
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         backend = self.backend
         self._reaper = Reaper(backend)
+        if self.mode == "push":
+            self._metadata = await anyio.to_thread.run_sync(backend.metadata)
         if self.verify_exposure:
             await anyio.to_thread.run_sync(backend.register_host, self.checks.array)
             self.checks.dlist = await anyio.to_thread.run_sync(backend.prep, "", self.checks.table(), "DRAM")
@@ -182,6 +206,15 @@ class Consumer(RankBase):
             session.closed = True
             for transfer in list(session.transfers):
                 self.fail(transfer, ClosedError("the session was closed"))
+        # Push writers asked to stop and not confirmed yet: the agent closes now (their
+        # connections go with it); see docs/concepts.md#push-mode for what that guarantees.
+        for transfer, (error, _) in list(self._settling.items()):
+            self.metrics.inc("push_stops_unconfirmed")
+            transfer.finish(error)
+        self._settling.clear()
+        self._grants.clear()
+        for session in list(self._sessions.values()):
+            session.say_bye()
             session._unload()
         self._sessions.clear()
 
@@ -205,6 +238,28 @@ class Consumer(RankBase):
     def backend_or_none(self) -> Backend | None:
         """The backend if it is still open."""
         return None if self._backend is None or self._backend.closed else self._backend
+
+    @property
+    def agent_metadata(self) -> bytes:
+        """This rank's agent metadata (push mode: the prefill ranks load it to write)."""
+        if self._metadata is None:
+            self._metadata = self.backend.metadata()
+        return self._metadata
+
+    def new_grant(self) -> int:
+        """A fresh push grant id (random, never 0, not in use)."""
+        while True:
+            grant = secrets.randbits(62) + 1
+            if grant not in self._grants:
+                return grant
+
+    async def settled(self, session: TransferSession | None = None) -> None:
+        """Wait until the failed pulls (of ``session``, or all) have settled: every push
+        writer confirmed it stopped, or was cut off."""
+        while any(session is None or t.session is session for t in self._settling):
+            if self._settled is None or self._settled.is_set():
+                self._settled = anyio.Event()
+            await self._settled.wait()
 
     def local_dlist(self, key: Any, table: npt.NDArray[np.int64]) -> Any:
         """The prepared local list for a table key (shared by every session)."""
@@ -260,6 +315,9 @@ class Consumer(RankBase):
         """Hand a launched pull to the poller (polled once right away: shared-memory reads are
         often done by the time they are posted)."""
         self._tracker.add(transfer.state, transfer)
+        grant = getattr(transfer.op, "grant", 0)
+        if grant:
+            self._grants[grant] = transfer
         self._check(transfer, time.monotonic())
         if not transfer.done():
             self._backoff.wake()
@@ -275,9 +333,10 @@ class Consumer(RankBase):
         self._backoff.wake()
 
     def fail(self, transfer: Transfer, error: AkvError) -> None:
-        """Fail a pull: stop its transfer and settle it with ``error``."""
+        """Fail a pull: stop its transfer and settle it with ``error`` (push mode: once every
+        writer confirmed it stopped, or after ``stop_grace_s``, see `_settle`)."""
         transfer.op.abort()
-        was_done = transfer.done()
+        was_done = transfer.done() or transfer.state.finished
         transfer.state.fail()
         self._tracker.discard(transfer.state)
         transfer.session.transfers.discard(transfer)
@@ -290,12 +349,64 @@ class Consumer(RankBase):
                 "transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed"
             )
             self._log.info("transfer failed", request=transfer.request_id, error=str(error))
+        if not getattr(transfer.op, "settled", True):
+            if transfer not in self._settling:
+                self._settling[transfer] = (error, time.monotonic() + self.stop_grace_s)
+            self._backoff.wake()
+            return
+        self._forget_grant(transfer)
         transfer.finish(error)
+
+    def _forget_grant(self, transfer: Transfer) -> None:
+        grant = getattr(transfer.op, "grant", 0)
+        if grant and self._grants.get(grant) is transfer:
+            del self._grants[grant]
+
+    def _settle(self, now: float) -> None:
+        """Settle failed push pulls whose writers all stopped; past the grace period, remove
+        the agents of writers that did not confirm (they can no longer reach this rank through
+        them) and settle anyway."""
+        for transfer, (error, deadline) in list(self._settling.items()):
+            op: Any = transfer.op
+            if not op.settled:
+                if now < deadline:
+                    continue
+                silent = op.unconfirmed
+                self.metrics.inc("push_stops_unconfirmed")
+                self._log.warning(
+                    "push writers did not confirm they stopped: their agents are removed",
+                    request=transfer.request_id,
+                    prefill_ranks=silent,
+                )
+                transfer.session.invalidate(silent)
+            del self._settling[transfer]
+            self._forget_grant(transfer)
+            transfer.finish(error)
+        if not self._settling and self._settled is not None:
+            self._settled.set()
+
+    def _drain(self) -> bool:
+        """Push mode: take the writers' notices, each to the pull it is bound to; anything
+        else (late, unknown, repeated, from another agent) is dropped and counted."""
+        notifs = self.backend.notifications()
+        for agent, messages in notifs.items():
+            for raw in messages:
+                try:
+                    notice = decode_push(raw)
+                except ProtocolError:
+                    self.metrics.inc("push_notices_dropped")
+                    continue
+                transfer = self._grants.get(notice.grant)
+                op: Any = transfer.op if transfer is not None else None
+                if op is None or not op.on_notice(agent, notice):
+                    self.metrics.inc("push_notices_dropped")
+        return bool(notifs)
 
     def _complete(self, transfer: Transfer) -> None:
         session = transfer.session
         self._tracker.discard(transfer.state)
         session.transfers.discard(transfer)
+        self._forget_grant(transfer)
         # Reads carry their own notification; the other ranks (all, if nothing was read) get one now.
         if transfer.notify:
             session.notify(transfer.notify, transfer.notice)
@@ -339,11 +450,19 @@ class Consumer(RankBase):
         while True:
             now = time.monotonic()
             progressed = False
+            pushing = self.mode == "push"
+            if pushing:
+                try:
+                    progressed |= self._drain()
+                except BackendError as exc:  # pragma: no cover - defensive: keep polling
+                    self._log.warning("draining notifications failed", error=str(exc))
             for _state, transfer in self._tracker:
                 try:
                     progressed |= self._check(transfer, now)
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.fail(transfer, exc)
+            if self._settling:
+                self._settle(now)
             backend = self.backend
             reaper = self.reaper
             if len(reaper):
@@ -352,12 +471,12 @@ class Consumer(RankBase):
                 backoff.progressed()
             flushing = now < self._flush_until
             reaping = now < self._reap_until
-            if flushing or reaping:
+            if (flushing or reaping) and not pushing:
                 try:
                     backend.progress()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self._log.warning("progressing the agent failed", error=str(exc))
-            if len(self._tracker) or flushing:
+            if len(self._tracker) or flushing or self._settling:
                 await backoff.wait(busy=True)
             else:
                 limit = 0.01 if len(reaper) else REAP_EVERY_S if reaping else math.inf
