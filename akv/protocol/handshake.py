@@ -134,14 +134,13 @@ class HostedRank(Protocol):
     tp_rank: int
     tp_size: int
     lease_s: float
-    modes: tuple[str, ...]  # transfer modes served: "pull", "push"
+    # optional: ``modes``, the transfer modes served ("pull", "push"; absent: pull only)
 
     def rank_info(self) -> RankInfo: ...
 
     def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None: ...
 
-    def push_peer(self, hello: Hello) -> None:
-        """A decode rank that authenticated asks to be pushed to (load its agent)."""
+    # optional: ``push_peer(hello)``, called for a pushing decode rank once its MAC was checked
 
 
 def register_mac(secret: bytes, msg: Register) -> bytes:
@@ -262,10 +261,11 @@ class ServerConversation:
             return self._fail("incompatible", str(exc), list(exc.fields))
         if msg.compat != first.cache.compat_hash():
             return self._fail("incompatible", "KV caches differ (compat hash)", ["compat"])
-        if msg.mode not in first.modes:
+        modes: tuple[str, ...] = getattr(first, "modes", ("pull",))
+        if msg.mode not in modes:
             return self._fail(
                 "incompatible",
-                f"the decode rank asks for mode {msg.mode!r}, this engine serves {list(first.modes)}: "
+                f"the decode rank asks for mode {msg.mode!r}, this engine serves {list(modes)}: "
                 "give both engines the same --mode",
                 ["mode"],
             )
@@ -287,7 +287,7 @@ class ServerConversation:
             lease_s=first.lease_s,
             endpoints=self.endpoints() if self.endpoints else [],
             instance_id=self.instance_id() if self.instance_id else "",
-            modes=[m for m in ("pull", "push") if m in first.modes],
+            modes=[m for m in ("pull", "push") if m in modes],
         )
         return [self._send(challenge)], False
 
@@ -315,7 +315,7 @@ class ServerConversation:
                 hosted = self.ranks[rank]
                 hosted.peer_connected(hello.engine_id, hello.tp_rank, hello.tp_size, hello.agent_name)
                 if hello.mode == "push":  # only now: the MAC over the Hello was checked
-                    hosted.push_peer(hello)
+                    hosted.push_peer(hello)  # type: ignore[attr-defined]
                 infos.append(hosted.rank_info())
         except AkvError as exc:  # e.g. a rank shutting down: fail this handshake, keep serving
             return self._fail("config", f"prefill rank unavailable: {exc}")
