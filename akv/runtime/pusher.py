@@ -207,12 +207,12 @@ class Pusher:
 
     def layers_ready(self, request_id: str, n: int) -> None:
         """``n`` layers of a request are computed: write what they hold."""
+        if request_id not in self.ready:  # every layer was ready already
+            return
         if n >= self.layers:
-            self.ready.pop(request_id, None)
-        elif n > self.ready.get(request_id, self.layers):
-            raise ConfigError(f"layers_ready({request_id!r}, {n}): more than the {self.layers} layers")
+            del self.ready[request_id]
         else:
-            self.ready[request_id] = max(n, self.ready.get(request_id, 0))
+            self.ready[request_id] = max(n, self.ready[request_id])
         for grant in list(self.by_request.get(request_id, ())):
             if grant.state == "writing":
                 self._advance(grant)

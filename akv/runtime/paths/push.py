@@ -93,7 +93,8 @@ class PushOp:
 
     def on_notice(self, agent: str, notice: PushNotice) -> bool:
         """A writer's notice for this grant; False if it is not bound to this op (another
-        agent, request or generation) or repeats one already taken (the consumer counts it)."""
+        agent, request or generation), repeats one already taken, or is a ``stopped`` that no
+        stop asked for (the consumer drops and counts it)."""
         rank = notice.prefill_rank
         if (
             self.writers.get(rank) != agent
@@ -105,9 +106,11 @@ class PushOp:
             return False
         if notice.kind == "pushed":
             self.pushed.add(rank)
-        elif notice.kind in ("stopped", "failed"):
+        elif notice.kind == "stopped" and self.aborted:  # only ever the answer to our stop
             self.stopped.add(rank)
-            if notice.kind == "failed" and self.failure is None and not self.aborted:
+        elif notice.kind == "failed":
+            self.stopped.add(rank)
+            if self.failure is None and not self.aborted:
                 self.failure = Failed(push_error(notice), None)
         else:
             return False
