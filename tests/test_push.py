@@ -24,8 +24,8 @@ import torch
 import akv
 from akv.geometry.cache import as_cache
 from akv.protocol.push import PushNotice, encode_push
-from akv.testing import fetch_requests, fill_request, local_counts, make_requests, verify_request
-from tests.conftest import make_spec, prefill_process, summary_of, wait_for
+from akv.testing import fill_request, local_counts, make_requests, verify_request
+from tests.conftest import MODEL, make_spec, prefill_process, summary_of, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -311,3 +311,22 @@ async def test_writer_crash_mid_request_fails_typed_after_the_writer_is_gone() -
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_rank_processes_push_over_the_cli() -> None:
+    """`akv prefill --mode push --layer-ms` runs each of its two ranks as its own process and
+    streams layers; `akv decode --mode push` (3 ranks) verifies every byte, every request is
+    released on every prefill rank by push, and the decode summary's paths say "push"."""
+    from akv.cli import build_parser
+    from akv.cli.decode import run_decode
+
+    with prefill_process(2, 6, "--mode", "push", "--layer-ms", "20", requests=4) as (proc, endpoint):
+        args = build_parser().parse_args(
+            ["decode", "--connect", endpoint, "--tp-size", "3", "--kv-heads", "6", *MODEL, "--mode", "push"]
+        )
+        summary = await run_decode(args)
+        assert summary["verified"] == 4 and summary["failed"] == 0, summary.get("errors")
+        assert summary["paths"] == {"push": 4}
+        prefill = summary_of(proc)
+    assert prefill["released"] == 4 and prefill["pushed"] == 4 and prefill["expired"] == 0

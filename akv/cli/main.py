@@ -22,6 +22,7 @@ from akv.cli.args import (
     EXIT_USAGE,
     add_common,
     add_device_flag,
+    add_mode_flags,
     add_model_flags,
     first_leaf,
     usage_error,
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common(p)
     add_device_flag(p)
+    add_mode_flags(p, served=True, layers=True)
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser(
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common(p)
     add_device_flag(p)
+    add_mode_flags(p)
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser(
@@ -276,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
     add_common(p)
     add_device_flag(p, "prefill", "decode")
+    add_mode_flags(p, layers=True)
     p.set_defaults(func=cmd_demo)
 
     add_engines_parser(sub)

@@ -262,13 +262,6 @@ class ServerConversation:
         if msg.compat != first.cache.compat_hash():
             return self._fail("incompatible", "KV caches differ (compat hash)", ["compat"])
         modes: tuple[str, ...] = getattr(first, "modes", ("pull",))
-        if msg.mode not in modes:
-            return self._fail(
-                "incompatible",
-                f"the decode rank asks for mode {msg.mode!r}, this engine serves {list(modes)}: "
-                "give both engines the same --mode",
-                ["mode"],
-            )
         if msg.mode == "push" and not msg.agent_metadata:
             return self._fail("config", "push mode needs the decode rank's agent metadata in its Hello")
         try:
@@ -309,6 +302,14 @@ class ServerConversation:
         unknown = sorted(set(msg.ranks) - set(self.ranks))
         if unknown:
             return self._fail("unknown_rank", f"prefill ranks {unknown} are not served here")
+        modes: tuple[str, ...] = getattr(self.ranks[msg.ranks[0]], "modes", ("pull",)) if msg.ranks else ()
+        if msg.ranks and hello.mode not in modes:  # (listing requests needs no mode)
+            return self._fail(
+                "incompatible",
+                f"the decode rank asks for mode {hello.mode!r}, this engine serves {list(modes)}: "
+                "give both engines the same --mode",
+                ["mode"],
+            )
         infos = []
         try:
             for rank in sorted(set(msg.ranks)):
@@ -432,14 +433,14 @@ class ClientConversation:
                 f"the remote engine's ranks {msg.ranks[:8]} or {len(msg.endpoints)} endpoints do not fit "
                 f"its TP size {msg.tp_size} (at most {MAX_TP_SIZE})"
             )
-        if self.hello.mode not in (msg.modes or ["pull"]):
+        self.challenge = msg
+        self._asked = list(self.choose_ranks(msg))
+        if self._asked and self.hello.mode not in (msg.modes or ["pull"]):
             raise IncompatiblePeerError(
                 f"remote engine {msg.engine_id} serves modes {list(msg.modes or ['pull'])}, this decode "
                 f"rank asks for {self.hello.mode!r}: give both engines the same --mode",
                 ("mode",),
             )
-        self.challenge = msg
-        self._asked = list(self.choose_ranks(msg))
         self.state = "metadata"
         request = MetadataRequest(ranks=self._asked)
         if self.secret is not None:

@@ -214,7 +214,6 @@ class Consumer(RankBase):
         self._settling.clear()
         self._grants.clear()
         for session in list(self._sessions.values()):
-            session.say_bye()
             session._unload()
         self._sessions.clear()
 

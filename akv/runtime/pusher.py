@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from akv import exposure
 from akv.backends import DlistHandle, Reaper, XferHandle, mem_type
-from akv.errors import AkvError, BlockIdError, ConfigError, TransferError
+from akv.errors import AkvError, BlockIdError, ConfigError, PeerLostError, TransferError
 from akv.plan import RankMemory, TransferPlan
 from akv.protocol.messages import Hello, Notice
 from akv.protocol.push import PushNotice, encode_push
@@ -454,8 +454,10 @@ class Pusher:
     def _send_notice(self, target: _Target, notice: PushNotice) -> None:
         try:
             self.producer.backend.notify(target.agent, encode_push(notice))
-        except AkvError as exc:  # the decode rank is gone: it fails its pull by its own timeout
+        except AkvError as exc:  # the decode rank is gone: forget it (its pulls time out there)
             self.log.warning("a push notice could not be sent", kind=notice.kind, error=str(exc))
+            if isinstance(exc, PeerLostError) and target.agent in self.targets:
+                self.remove_peer(target.agent)
             return
         if notice.kind == "failed":
             self.metrics.inc("push_failures")
