@@ -384,6 +384,14 @@ class Consumer(RankBase):
         if not self._settling and self._settled is not None:
             self._settled.set()
 
+    def pump(self) -> None:
+        """Push mode: progress the agent now (a notice just queued goes out), dispatching
+        what arrived."""
+        try:
+            self._drain()
+        except BackendError as exc:  # pragma: no cover - defensive: the poller tries again
+            self._log.warning("draining notifications failed", error=str(exc))
+
     def _drain(self) -> bool:
         """Push mode: take the writers' notices, each to the pull it is bound to; anything
         else (late, unknown, repeated, from another agent) is dropped and counted."""

@@ -6,6 +6,7 @@ module feeds it NIXL notices and the clock and delivers its releases.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -541,10 +542,15 @@ class Producer(RankBase):
                 try:
                     if pusher.poll(now):
                         backoff.progressed()
+                        self._drain()  # progress the agent now: a notice just queued goes out
+                    elif pusher.writing:
+                        backoff.progressed()  # spin until the writes complete
                 except AkvError as exc:  # pragma: no cover - defensive: keep polling
                     self._log.warning("push progress failed", error=str(exc))
             expired, until = self.ledger.expire(now)
             self._deliver(expired)
+            if pusher.targets and len(self.ledger):  # announcements may come: look every poll_max_s
+                until = min(until if until is not None else math.inf, self._backoff.max_sleep_s)
             await backoff.wait(busy=bool(len(self.ledger)) or pusher.busy, limit=until)
 
 

@@ -111,6 +111,12 @@ class Pusher:
         return self._reaper
 
     @property
+    def writing(self) -> bool:
+        """True while WRITEs are in flight (the poller spins then: their completion is the
+        decode rank's latency)."""
+        return any(g.pending for g in self.grants.values())
+
+    @property
     def busy(self) -> bool:
         """True while writes are in flight, handles wait for release or notices for the wire."""
         return (

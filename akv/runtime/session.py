@@ -832,6 +832,7 @@ class TransferSession:
             c.metrics.inc("transfers_failed")
             raise failed.error
         c.flush_notices()
+        c.pump()
         return op
 
     def invalidate(self, ranks: Sequence[int]) -> None:
