@@ -745,14 +745,23 @@ class TransferSession:
         heartbeat = lease / 3 if lease > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
         op: PathOp
+        failed: Failed | None = None
         if self.path_for(prepared) == "push":
-            op, notify = self._launch_push(prepared, request), prepared.standalone
+            push = op = self._launch_push(prepared, request)
+            notify = prepared.standalone
+            failed = push.start()
         else:
             op, notify = self._launch(plan, prepared, request.request_id, notice, request.generation)
         transfer = Transfer(self, request.request_id, prepared, notice, state, op, notify)
         transfer.generation = request.generation
         self.transfers.add(transfer)
         c.track(transfer)
+        if failed is not None:  # an announcement could not be sent: the writers told already stop
+            self.mark_broken(failed.error, failed.rank)
+            c.fail(transfer, failed.error)
+            await transfer.wait()  # raises, once none of them can still write
+        else:
+            c.pump()  # the announcements go out now
         return transfer
 
     def path_for(self, prepared: Prepared) -> PathName:
@@ -809,7 +818,8 @@ class TransferSession:
         return read, prepared.standalone
 
     def _launch_push(self, prepared: Prepared, req: PullRequest) -> PushOp:
-        """Grant this pull's blocks to its writers (every prefill rank it reads from)."""
+        """The grant of this pull's blocks to its writers (every prefill rank it reads from);
+        its ``start`` announces it."""
         c = self.consumer
         writers = {op.remote_rank: self.links[op.remote_rank].agent for op, _, _ in prepared.posts}
         announce = PushNotice(
@@ -824,16 +834,8 @@ class TransferSession:
             remote_ids=_ids(req.remote_block_ids),
             num_tokens=req.num_tokens or 0,
         )
-        op = PushOp(c.backend, writers, announce)
-        failed = op.start()
-        if failed is not None:
-            op.abort()  # writers announced already are told to stop (nothing was granted yet)
-            self.mark_broken(failed.error, failed.rank)
-            c.metrics.inc("transfers_failed")
-            raise failed.error
         c.flush_notices()
-        c.pump()
-        return op
+        return PushOp(c.backend, writers, announce)
 
     def invalidate(self, ranks: Sequence[int]) -> None:
         """Writers that did not confirm a stop in time: forget their agents (the next pull
