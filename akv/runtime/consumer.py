@@ -47,6 +47,8 @@ __all__ = ["Consumer", "PullRequest", "Transfer", "TransferResult", "TransferSes
 
 #: Seconds the poller keeps progressing the agent after standalone notices were sent.
 FLUSH_S = 0.5
+#: Longest sleep of the poller while push pulls are in flight.
+PUSH_POLL_S = 0.0005
 #: Seconds after a timed-out pull during which the idle poller still progresses the agent
 #: (every REAP_EVERY_S), so UCX frees the operations to a hung peer once it dies or resumes.
 REAP_S, REAP_EVERY_S = 120.0, 0.25
@@ -484,7 +486,8 @@ class Consumer(RankBase):
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self._log.warning("progressing the agent failed", error=str(exc))
             if len(self._tracker) or flushing or self._settling:
-                await backoff.wait(busy=True)
+                # push: the writers' notices are the completion; look for them often
+                await backoff.wait(busy=True, limit=PUSH_POLL_S if pushing and self._grants else None)
             else:
                 limit = 0.01 if len(reaper) else REAP_EVERY_S if reaping else math.inf
                 await backoff.wait(busy=False, limit=limit)

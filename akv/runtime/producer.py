@@ -54,6 +54,9 @@ __all__ = ["EngineRelease", "EngineReleases", "Producer", "Release"]
 
 #: Releases kept for a [`Producer.releases`][akv.Producer.releases] reader that is not keeping up.
 RELEASE_BUFFER = 4096
+#: Longest sleep of the poller while pushing decode ranks are linked and requests exposed
+#: (an announcement waits for the next look).
+PUSH_POLL_S = 0.0005
 #: Seconds between a rank's registrations with its engine's bootstrap.
 REGISTER_EVERY_S = 2.0
 
@@ -549,8 +552,8 @@ class Producer(RankBase):
                     self._log.warning("push progress failed", error=str(exc))
             expired, until = self.ledger.expire(now)
             self._deliver(expired)
-            if pusher.targets and len(self.ledger):  # announcements may come: look every poll_max_s
-                until = min(until if until is not None else math.inf, self._backoff.max_sleep_s)
+            if pusher.targets and len(self.ledger):  # announcements may come: look often
+                until = min(until if until is not None else math.inf, PUSH_POLL_S)
             await backoff.wait(busy=bool(len(self.ledger)) or pusher.busy, limit=until)
 
 
