@@ -388,6 +388,10 @@ class Producer(RankBase):
         only grows; the number of layers or more: all). Decode ranks that announced it get
         the bytes of those layers written now.
 
+        Args:
+            request_id: the exposed request.
+            n: how many model layers, from layer 0, are computed.
+
         Raises:
             UnknownRequestError: the request is not exposed.
             ConfigError: ``n`` is negative.
