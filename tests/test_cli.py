@@ -90,6 +90,11 @@ CONFIG_ERRORS = [
     pytest.param(["demo", "--prefill-tp", "3"], "--prefill-tp 3", id="demo-tp-heads"),
     pytest.param(["demo", "--mla", "--joint-kv"], "--joint-kv", id="demo-mla-joint"),
     pytest.param(["demo", "--concurrency", "0"], "--concurrency", id="demo-concurrency"),
+    pytest.param(
+        ["prefill", "--tp-size", "1", "--layer-ms", "5", *PREFILL], "--mode push", id="prefill-layer-ms"
+    ),
+    pytest.param(["demo", "--mode", "push", "--layer-ms", "-1"], "--layer-ms", id="demo-layer-ms"),
+    pytest.param(["bench", "--only", "layerwise"], "--mode push", id="bench-layerwise-pull"),
 ]
 
 
