@@ -177,7 +177,8 @@ async def test_first_layer_lands_before_the_last_is_ready() -> None:
 
 async def test_cancel_waits_for_writers_and_nothing_lands_after() -> None:
     """A pull cancelled mid-stream returns only once its writer stopped; layers made ready
-    afterwards never reach the blocks (a sentinel written after the return survives)."""
+    afterwards never reach the blocks (a sentinel written after the return survives), and a
+    late notice for the cancelled grant is dropped and counted."""
     spec = make_spec(kv_heads=4)
     (req,) = make_requests(spec, 1, 3, seed=5)
     async with prefill_engine(spec, 1) as engine, consumer(spec, 0, 1) as c:
@@ -193,6 +194,17 @@ async def test_cancel_waits_for_writers_and_nothing_lands_after() -> None:
         for region in c.kv_caches:
             region[:3].fill_(7)  # the engine reuses the blocks
         prod.layers_ready(req.request_id, 2)
+        late = PushNotice(
+            kind="pushed",
+            engine_id=c.engine_id,
+            decode_rank=0,
+            decode_tp=1,
+            request_id=req.request_id,
+            grant=t.op.grant,  # type: ignore[attr-defined]
+            prefill_rank=0,
+        )
+        prod.backend.notify(c.backend.name, encode_push(late))  # a late notice for the cancelled grant
+        await wait_for(lambda: c.metrics.snapshot().counters.get("push_notices_dropped", 0) == 1)
         await anyio.sleep(0.3)
         assert all(bool((region[:3] == 7).all()) for region in c.kv_caches)
         assert c.metrics.snapshot().counters.get("push_stops_unconfirmed", 0) == 0
