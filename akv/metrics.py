@@ -35,6 +35,13 @@ COUNTERS: tuple[str, ...] = (
     "releases_dropped",
     "lease_extensions",
     "unsafe_reads",
+    # push mode
+    "push_announcements",
+    "push_writes",
+    "pushes",
+    "push_failures",
+    "push_notices_dropped",
+    "push_stops_unconfirmed",
 )
 
 
