@@ -33,6 +33,7 @@ from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse
 from akv.protocol.handshake import resolve_secret
 from akv.protocol.push import decode_push
 from akv.runtime.paths import Failed, Pending
+from akv.runtime.paths.push import PushOp
 from akv.runtime.paths.read import CheckPool
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
@@ -316,9 +317,8 @@ class Consumer(RankBase):
         """Hand a launched pull to the poller (polled once right away: shared-memory reads are
         often done by the time they are posted)."""
         self._tracker.add(transfer.state, transfer)
-        grant = getattr(transfer.op, "grant", 0)
-        if grant:
-            self._grants[grant] = transfer
+        if isinstance(transfer.op, PushOp):
+            self._grants[transfer.op.grant] = transfer
         self._check(transfer, time.monotonic())
         if not transfer.done():
             self._backoff.wake()
@@ -350,7 +350,7 @@ class Consumer(RankBase):
                 "transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed"
             )
             self._log.info("transfer failed", request=transfer.request_id, error=str(error))
-        if not getattr(transfer.op, "settled", True):
+        if isinstance(transfer.op, PushOp) and not transfer.op.settled:
             if transfer not in self._settling:
                 self._settling[transfer] = (error, time.monotonic() + self.stop_grace_s)
             self._backoff.wake()
@@ -359,17 +359,16 @@ class Consumer(RankBase):
         transfer.finish(error)
 
     def _forget_grant(self, transfer: Transfer) -> None:
-        grant = getattr(transfer.op, "grant", 0)
-        if grant and self._grants.get(grant) is transfer:
-            del self._grants[grant]
+        if isinstance(transfer.op, PushOp) and self._grants.get(transfer.op.grant) is transfer:
+            del self._grants[transfer.op.grant]
 
     def _settle(self, now: float) -> None:
         """Settle failed push pulls whose writers all stopped; past the grace period, remove
         the agents of writers that did not confirm (they can no longer reach this rank through
         them) and settle anyway."""
         for transfer, (error, deadline) in list(self._settling.items()):
-            op: Any = transfer.op
-            if not op.settled:
+            op = transfer.op
+            if isinstance(op, PushOp) and not op.settled:
                 if now < deadline:
                     continue
                 silent = op.unconfirmed
@@ -406,8 +405,8 @@ class Consumer(RankBase):
                     self.metrics.inc("push_notices_dropped")
                     continue
                 transfer = self._grants.get(notice.grant)
-                op: Any = transfer.op if transfer is not None else None
-                if op is None or not op.on_notice(agent, notice):
+                op = transfer.op if transfer is not None else None
+                if not isinstance(op, PushOp) or not op.on_notice(agent, notice):
                     self.metrics.inc("push_notices_dropped")
         return bool(notifs)
 

@@ -198,7 +198,7 @@ class Producer(RankBase):
         self._loop_thread = 0
         from akv.runtime.pusher import Pusher
 
-        self.pusher = Pusher(self)
+        self.pusher = Pusher(self, self._deliver, self._log)
 
     # -- lifetime -----------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -90,9 +91,10 @@ class _Grant:
 class Pusher:
     """Push-mode state of one prefill rank (driven by its Producer's poller)."""
 
-    def __init__(self, producer: Producer) -> None:
+    def __init__(self, producer: Producer, deliver: Callable[[list[Release]], None], log: Any) -> None:
         self.producer = producer
-        self.log = producer._log
+        self.deliver = deliver  # hands releases to the producer's listeners
+        self.log = log
         self.metrics = producer.metrics
         self.targets: dict[str, _Target] = {}
         self.grants: dict[tuple[str, int], _Grant] = {}
@@ -366,7 +368,7 @@ class Pusher:
         self.metrics.inc("pushes")
         engine, rank, tp = grant.target.identity
         done = Notice("done", engine, rank, tp, [rid], [grant.digest], [grant.generation])
-        p._deliver(p.ledger.on_notice(done, now, pushed=True))
+        self.deliver(p.ledger.on_notice(done, now, pushed=True))
 
     def _end(self, grant: _Grant, answer: PushNotice | None) -> None:
         """Stop a grant: post nothing more; hand its writes to the reaper; ``answer`` goes out
