@@ -175,6 +175,24 @@ async def test_first_layer_lands_before_the_last_is_ready() -> None:
         assert written(c.kv_caches) == 4
 
 
+async def test_announcement_before_the_exposure_is_served_once_exposed() -> None:
+    """A pull announced before prefill exposed the request waits, then completes bit-exact
+    once the request is exposed."""
+    spec = make_spec(kv_heads=4)
+    (req,) = make_requests(spec, 1, 3, seed=8)
+    async with prefill_engine(spec, 1) as engine, consumer(spec, 0, 1) as c:
+        prod = engine.producers[0]
+        session = await c.connect(engine.endpoint)
+        t = await session.pull(req.request_id, [4, 5, 6], req.block_ids)
+        await anyio.sleep(0.1)
+        assert not t.done()
+        fill_request(prod.kv_caches, spec, 0, 1, req.block_ids, req.seed, req.num_tokens)
+        prod.expose(req.request_id, req.block_ids)
+        assert (await t).path == "push"
+        assert verify_request(c.kv_caches, spec, 0, 1, [4, 5, 6], req.seed, num_tokens=req.num_tokens)
+        await wait_for(lambda: engine.releases[(req.request_id, "pushed")] == 1)
+
+
 async def test_cancel_waits_for_writers_and_nothing_lands_after() -> None:
     """A pull cancelled mid-stream returns only once its writer stopped; layers made ready
     afterwards never reach the blocks (a sentinel written after the return survives), and a
