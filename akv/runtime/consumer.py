@@ -187,10 +187,20 @@ class Consumer(RankBase):
         self._reaper = Reaper(backend)
         if self.mode == "push":
             self._metadata = await anyio.to_thread.run_sync(backend.metadata)
+            stack.push_async_callback(self._stop_pushes)  # runs before the poller stops
         if self.verify_exposure:
             await anyio.to_thread.run_sync(backend.register_host, self.checks.array)
             self.checks.dlist = await anyio.to_thread.run_sync(backend.prep, "", self.checks.table(), "DRAM")
         tg.start_soon(self._poll)
+
+    async def _stop_pushes(self) -> None:
+        """Closing: fail the push pulls in flight and wait (up to ``stop_grace_s``) until
+        their writers stopped, while the poller still runs."""
+        with anyio.CancelScope(shield=True):
+            for _state, transfer in list(self._tracker):
+                self.fail(transfer, ClosedError("the consumer was closed"))
+            with anyio.move_on_after(self.stop_grace_s + 1):
+                await self.settled()
 
     def _teardown(self) -> None:
         backend = self.backend_or_none
