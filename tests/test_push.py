@@ -102,6 +102,20 @@ PAIRS = [
         id="headmajor8-to-nhd4",
     ),
     pytest.param(
+        make_spec(kv_heads=4, layout="head-major"),
+        make_spec(kv_heads=4, layout="head-major"),
+        2,
+        1,
+        id="headmajor-runs-span-layers",
+    ),
+    pytest.param(
+        akv.preset("gemma-3-27b", layers=3, blocks=32, dtype="float16"),
+        akv.preset("gemma-3-27b", layers=3, blocks=32, dtype="float16", layout="cross-layer"),
+        1,
+        2,
+        id="gemma3-sliding",
+    ),
+    pytest.param(
         akv.preset("qwen3-next-80b", layers=4, blocks=32, dtype="float32", layout="head-major"),
         akv.preset("qwen3-next-80b", layers=4, blocks=32, dtype="float32", block_size=32),
         2,
@@ -173,6 +187,24 @@ async def test_first_layer_lands_before_the_last_is_ready() -> None:
         prod.layers_ready(req.request_id, 2)
         assert (await t).path == "push"
         assert written(c.kv_caches) == 4
+
+
+async def test_runs_spanning_layers_wait_for_their_last_layer() -> None:
+    """Head-major on both sides merges a block's layers into one run: with one of two layers
+    ready nothing is written yet; the last layer brings every byte."""
+    spec = make_spec(kv_heads=4, layout="head-major")
+    (req,) = make_requests(spec, 1, 3, seed=6)
+    async with prefill_engine(spec, 1) as engine, consumer(spec, 0, 1) as c:
+        prod = engine.producers[0]
+        fill_request(prod.kv_caches, spec, 0, 1, req.block_ids, req.seed, req.num_tokens)
+        prod.expose(req.request_id, req.block_ids, layers_ready=1)
+        session = await c.connect(engine.endpoint)
+        t = await session.pull(req.request_id, [0, 1, 2], req.block_ids)
+        await anyio.sleep(0.2)
+        assert written(c.kv_caches) == 0 and not t.done()
+        prod.layers_ready(req.request_id, 2)
+        assert (await t).path == "push"
+        assert verify_request(c.kv_caches, spec, 0, 1, [0, 1, 2], req.seed, num_tokens=req.num_tokens)
 
 
 async def test_announcement_before_the_exposure_is_served_once_exposed() -> None:
