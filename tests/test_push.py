@@ -392,3 +392,75 @@ async def test_rank_processes_push_over_the_cli() -> None:
         assert summary["paths"] == {"push": 4}
         prefill = summary_of(proc)
     assert prefill["released"] == 4 and prefill["pushed"] == 4 and prefill["expired"] == 0
+
+
+class PushRank:
+    """What the control server sees of a prefill rank that serves push (sans-IO handshake)."""
+
+    engine_id = "p"
+    tp_rank = 0
+    tp_size = 1
+    lease_s = 1.0
+    modes = ("pull", "push")
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.pushers: list[Any] = []
+
+    def rank_info(self) -> Any:
+        from akv.protocol.messages import RankInfo
+
+        return RankInfo(tp_rank=0, agent_name="p0", agent_metadata=b"P", region_addrs=[1, 2, 3, 4])
+
+    def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None:
+        pass
+
+    def push_peer(self, hello: Any) -> None:
+        self.pushers.append(hello)
+
+
+@pytest.mark.parametrize("field", ["agent_metadata", "region_addrs", "mode"])
+def test_a_pushing_hello_is_bound_by_the_transcript_mac(field: str) -> None:
+    """A relay that alters a pushing decode rank's agent metadata, regions or mode makes the
+    prefill side refuse the MAC and never load the agent; unaltered, the agent is loaded."""
+    import msgspec
+
+    from akv.errors import AuthenticationError
+    from akv.protocol.handshake import ClientConversation, ServerConversation
+    from akv.protocol.messages import Error, Hello, decode_message, encode_body
+
+    cache = as_cache(make_spec(kv_heads=4))
+    hello = Hello(
+        engine_id="d",
+        tp_rank=0,
+        tp_size=1,
+        spec=cache,
+        compat=cache.compat_hash(),
+        nonce=b"n" * 16,
+        agent_name="d0",
+        mode="push",
+        agent_metadata=b"D" * 64,
+        region_addrs=[10, 20, 30, 40],
+    )
+    altered = {"agent_metadata": b"X" * 64, "region_addrs": [10, 20, 30, 41], "mode": "pull"}
+    for tamper in (False, True):
+        rank = PushRank(cache)
+        server = ServerConversation({0: rank}, b"secret")
+        client = ClientConversation(hello, b"secret", lambda ch: [0])
+        first = client.start()
+        assert isinstance(first, Hello)
+        sent = msgspec.structs.replace(first, **{field: altered[field]}) if tamper else first
+        body = encode_body(sent)
+        replies, _ = server.receive(decode_message(body), body)
+        request = client.receive(replies[0], encode_body(replies[0]))
+        assert request is not None
+        body = encode_body(request)
+        replies, _ = server.receive(decode_message(body), body)
+        if tamper:
+            assert isinstance(replies[0], Error) and replies[0].code == "auth"
+            with pytest.raises(AuthenticationError):
+                client.receive(replies[0], encode_body(replies[0]))
+            assert rank.pushers == []
+        else:
+            assert client.receive(replies[0], encode_body(replies[0])) is None
+            assert [h.agent_metadata for h in rank.pushers] == [b"D" * 64]
