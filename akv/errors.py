@@ -27,6 +27,7 @@ __all__ = [
     "RefusedError",
     "ReleasedError",
     "ServerBusyError",
+    "TransferCancelledError",
     "TransferError",
     "TransferTimeout",
     "UnknownRequestError",
@@ -147,6 +148,10 @@ class BackPressureError(TransferError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A transfer did not complete within its deadline (for example a hung peer)."""
+
+
+class TransferCancelledError(TransferError):
+    """The pull was cancelled ([`Transfer.cancel`][akv.Transfer.cancel]); its blocks hold undefined data."""
 
 
 class UnsafeReadError(TransferError):

@@ -59,7 +59,12 @@ SLOT_WORDS = 3
 EXPOSED, RELEASED_READ, RELEASED_EXPIRED, RELEASED_CLOSED = 1, 2, 3, 4
 #: Generations are 31-bit (they share a word with the block count).
 GENERATION_MASK = (1 << 31) - 1
-_STATE_OF_REASON = {"read": RELEASED_READ, "expired": RELEASED_EXPIRED, "closed": RELEASED_CLOSED}
+_STATE_OF_REASON = {
+    "read": RELEASED_READ,
+    "pushed": RELEASED_READ,
+    "expired": RELEASED_EXPIRED,
+    "closed": RELEASED_CLOSED,
+}
 
 
 def request_hash(request_id: str) -> int:

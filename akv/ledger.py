@@ -26,7 +26,7 @@ from akv.protocol.messages import Notice
 
 __all__ = ["Release", "ReleaseLedger", "ReleaseReason"]
 
-ReleaseReason = Literal["read", "expired", "closed"]
+ReleaseReason = Literal["read", "expired", "closed", "pushed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +36,9 @@ class Release:
     Attributes:
         request_id: the request.
         block_ids: its blocks on this rank, as exposed.
-        reason: ``"read"`` (every expected decode rank notified), ``"expired"`` (the lease ran
-            out first) or ``"closed"`` (the producer shut down first).
+        reason: ``"read"`` (every expected decode rank notified), ``"pushed"`` (the same, and
+            this rank wrote the blocks into some decode rank: push mode), ``"expired"`` (the
+            lease ran out first) or ``"closed"`` (the producer shut down first).
         notified: the decode ranks that notified.
         expected: how many were expected (None if none notified).
         groups: multi-group caches: ``{group name: ids}`` (``block_ids`` holds them flat, each
@@ -61,6 +62,7 @@ class _Exposure:
     generation: int = 0
     readers: dict[str, set[int]] = field(default_factory=dict)  # decode engine -> ranks
     decode_tp: dict[str, int] = field(default_factory=dict)
+    pushed: bool = False  # some decode rank's share was written by this rank (push mode)
 
 
 class ReleaseLedger:
@@ -166,8 +168,19 @@ class ReleaseLedger:
         groups = self._split(exp.block_ids) if self._split is not None else None
         return Release(request_id, exp.block_ids, reason, notified, expected, groups)
 
-    def on_notice(self, notice: Notice, now: float) -> list[Release]:
-        """Apply one decode rank's notice; returns the releases it completes."""
+    def generation(self, request_id: str) -> int | None:
+        """The generation of a request's exposure (None: not exposed)."""
+        exp = self._exposed.get(request_id)
+        return None if exp is None else exp.generation
+
+    def exposed_ids(self, request_id: str) -> npt.NDArray[np.int32] | None:
+        """A request's exposed blocks, flat (None: not exposed)."""
+        exp = self._exposed.get(request_id)
+        return None if exp is None else exp.block_ids
+
+    def on_notice(self, notice: Notice, now: float, *, pushed: bool = False) -> list[Release]:
+        """Apply one decode rank's notice; returns the releases it completes. ``pushed``: the
+        notice stands for writes this rank completed into that decode rank (push mode)."""
         if not self.accepts(notice):
             self._count("notifications_invalid")
             return []
@@ -191,9 +204,10 @@ class ReleaseLedger:
                 continue
             readers = exp.readers.setdefault(notice.engine_id, set())
             readers.add(notice.decode_rank)
+            exp.pushed |= pushed
             exp.decode_tp.setdefault(notice.engine_id, notice.decode_tp)
             if len(readers) >= self.expected(exp.decode_tp[notice.engine_id]):
-                rel = self.release(rid, "read")
+                rel = self.release(rid, "pushed" if exp.pushed else "read")
                 if rel is not None:
                     out.append(rel)
         return out

@@ -31,10 +31,18 @@ COUNTERS: tuple[str, ...] = (
     "released_read",
     "released_expired",
     "released_closed",
+    "released_pushed",
     "releases_dropped",
     "lease_extensions",
     "unsafe_reads",
     "agent_resets",
+    # push mode
+    "push_announcements",
+    "push_writes",
+    "pushes",
+    "push_failures",
+    "push_notices_dropped",
+    "push_stops_unconfirmed",
 )
 
 

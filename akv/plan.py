@@ -233,13 +233,14 @@ def _atoms(
     rp: Placement,
     local_units: range,
     remote_units: range,
-    layers: int,
+    layers: tuple[int, ...],
     g: int,
     jl: int,
     jr: int,
 ) -> list[npt.NDArray[np.int64]]:
-    """Columns lreg, loff, rreg, roff, len, lstride, rstride of one component's atoms."""
-    i = np.arange(layers, dtype=np.int64)[:, None, None]
+    """Columns lreg, loff, rreg, roff, len, lstride, rstride, layer (the model layer) of one
+    component's atoms."""
+    i = np.arange(len(layers), dtype=np.int64)[:, None, None]
     u = np.arange(len(local_units), dtype=np.int64)[None, :, None]
     t = np.arange(g, dtype=np.int64)[None, None, :]
     lu0 = local_units.start - lp.units.start
@@ -258,16 +259,18 @@ def _atoms(
         np.full(n, lp.run, np.int64),
         np.full(n, lp.block, np.int64),
         np.full(n, rp.block, np.int64),
+        np.broadcast_to(np.asarray(layers, dtype=np.int64)[:, None, None], shape).ravel(),
     ]
 
 
 def _merge(cols: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
-    """Merge atoms contiguous on both sides into runs: rows lreg, loff, rreg, roff, len, lstride, rstride."""
-    lreg, loff, rreg, roff, length, ls, rs = cols
+    """Merge atoms contiguous on both sides into runs: rows lreg, loff, rreg, roff, len,
+    lstride, rstride, layer (the last model layer a run holds bytes of)."""
+    lreg, loff = cols[0], cols[1]
     order = np.lexsort((loff, lreg))
-    lreg, loff, rreg, roff, length, ls, rs = (c[order] for c in cols)
+    lreg, loff, rreg, roff, length, ls, rs, layer = (c[order] for c in cols)
     if lreg.size == 0:
-        return np.empty((0, 7), np.int64)
+        return np.empty((0, 8), np.int64)
     joined = np.zeros(lreg.size, dtype=bool)
     joined[1:] = (
         (lreg[1:] == lreg[:-1])
@@ -278,7 +281,7 @@ def _merge(cols: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
         & (rs[1:] == rs[:-1])
     )
     starts = np.flatnonzero(~joined)
-    out = np.empty((starts.size, 7), np.int64)
+    out = np.empty((starts.size, 8), np.int64)
     out[:, 0] = lreg[starts]
     out[:, 1] = loff[starts]
     out[:, 2] = rreg[starts]
@@ -286,6 +289,7 @@ def _merge(cols: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
     out[:, 4] = np.add.reduceat(length, starts)
     out[:, 5] = ls[starts]
     out[:, 6] = rs[starts]
+    out[:, 7] = np.maximum.reduceat(layer, starts)
     return out
 
 
@@ -341,6 +345,9 @@ class TransferPlan:
             for c in g.components:
                 period = math.lcm(period, sharding.component_period(d, dt, pt, c.units, c.shard))
         self.tables: dict[TableKey, npt.NDArray[np.int64]] = {}
+        #: per remote table, the last model layer each row holds bytes of (push mode streams
+        #: a row once its layers are ready)
+        self.layers: dict[TableKey, npt.NDArray[np.int64]] = {}
         self.variants: tuple[RequestReads, ...] = tuple(self._variant(k) for k in range(period))
         total = sum(int(t[:, 4].sum()) for t in self.tables.values())
         if total >= 2**31:
@@ -373,6 +380,7 @@ class TransferPlan:
         raddr = np.asarray(rmem.region_addrs, dtype=np.int64)
         ltab: list[npt.NDArray[np.int64]] = []
         rtab: list[npt.NDArray[np.int64]] = []
+        row_layers: list[npt.NDArray[np.int64]] = []
         parts: list[_Part] = []
         lrow = rrow = 0  # descriptor index of the next row's block 0
         for gi in sorted({gi for gi, _, _ in reads}):
@@ -391,7 +399,7 @@ class TransferPlan:
                             rg.placements[ci],
                             read.local_heads,
                             read.remote_heads,
-                            len(lg.group.layers),
+                            lg.group.layers,
                             g,
                             jl,
                             jr,
@@ -413,6 +421,7 @@ class TransferPlan:
                 rt[:, 4] = rg.group.num_blocks
                 ltab.append(lt)
                 rtab.append(rt)
+                row_layers.append(runs[:, 7])
                 lbases.append((lrow + np.arange(n, dtype=np.int64) * lg.group.num_blocks).astype(np.int32))
                 rbases.append((rrow + np.arange(n, dtype=np.int64) * rg.group.num_blocks).astype(np.int32))
                 lrow += n * lg.group.num_blocks
@@ -427,6 +436,7 @@ class TransferPlan:
         lkey, rkey = _key("local", lrows), _key("remote", rrows, rank)
         self.tables.setdefault(lkey, lrows)
         self.tables.setdefault(rkey, rrows)
+        self.layers.setdefault(rkey, np.concatenate(row_layers))
         return ReadOp(rank, lkey, rkey, tuple(parts))
 
     # -- requests ---------------------------------------------------------------------------

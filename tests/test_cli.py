@@ -90,6 +90,11 @@ CONFIG_ERRORS = [
     pytest.param(["demo", "--prefill-tp", "3"], "--prefill-tp 3", id="demo-tp-heads"),
     pytest.param(["demo", "--mla", "--joint-kv"], "--joint-kv", id="demo-mla-joint"),
     pytest.param(["demo", "--concurrency", "0"], "--concurrency", id="demo-concurrency"),
+    pytest.param(
+        ["prefill", "--tp-size", "1", "--layer-ms", "5", *PREFILL], "--mode push", id="prefill-layer-ms"
+    ),
+    pytest.param(["demo", "--mode", "push", "--layer-ms", "-1"], "--layer-ms", id="demo-layer-ms"),
+    pytest.param(["bench", "--only", "layerwise"], "--mode push", id="bench-layerwise-pull"),
 ]
 
 
@@ -148,6 +153,20 @@ def test_demo_sizes_the_pool_and_passes_verbosity_on() -> None:
 
 
 @pytest.mark.slow
+def test_demo_push_mode_streams_layers() -> None:
+    """`akv demo --mode push --layer-ms` verifies every request pushed, each released once, and
+    its summary's paths say push."""
+    proc = akv(
+        "demo", "--prefill-tp", "1", "--decode-tp", "1", *SMALL, "--requests", "4", "--json",
+        "--mode", "push", "--layer-ms", "10",
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["verified"] == summary["released"] == 4 and summary["expired"] == 0
+    assert summary["paths"] == {"push": 4}
+
+
 def test_demo_vv_logs_each_request() -> None:
     """`akv demo -vv` logs more than -v: each request verified by decode and released by prefill."""
     proc = akv(

@@ -44,9 +44,11 @@ async def etcd_engine(
         yield ranks
 
 
-async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer) -> None:  # noqa: F811
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer, mode: str) -> None:  # noqa: F811
     """P=4 ranks registered in etcd, D=2 decode ranks connect by etcd://HOST:PORT/NAME: each
-    links the ranks it needs, pulls bit-exact, and every prefill rank releases by read."""
+    links the ranks it needs, pulls bit-exact (pull mode: reads; push mode: the ranks write),
+    and every prefill rank releases the request once."""
     spec = make_spec(kv_heads=8)
     name = f"p-{uuid.uuid4().hex[:8]}"
     async with etcd_engine(spec, 4, etcd.endpoint, name) as ranks, AsyncExitStack() as stack:
@@ -56,7 +58,13 @@ async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer) -> None
         consumers = [
             await stack.enter_async_context(
                 akv.Consumer(
-                    akv.allocate_kv_cache(spec, d, 2), spec, tp_rank=d, tp_size=2, engine_id="d-etcd"
+                    akv.allocate_kv_cache(spec, d, 2),
+                    spec,
+                    tp_rank=d,
+                    tp_size=2,
+                    engine_id="d-etcd",
+                    mode=mode,
+                    same_process="nixl" if mode == "push" else "auto",  # push: through NIXL
                 )
             )
             for d in range(2)
@@ -64,7 +72,8 @@ async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer) -> None
         sessions = [await c.connect(f"etcd://{etcd.endpoint}/{name}") for c in consumers]
         assert [sorted(s.links) for s in sessions] == [[0, 1], [2, 3]]
         for s in sessions:
-            await (await s.pull("r", [5, 6, 7], [1, 2, 3]))
+            result = await (await s.pull("r", [5, 6, 7], [1, 2, 3]))
+            assert mode == "pull" or result.path == "push"
         assert all(verify_request(c.kv_caches, spec, c.tp_rank, 2, [5, 6, 7], 9, range(3)) for c in consumers)
         with anyio.fail_after(5):
             for p in ranks:

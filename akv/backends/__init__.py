@@ -80,6 +80,17 @@ class Backend(Protocol):
         merge: bool = True,
     ) -> XferHandle: ...
 
+    def write(
+        self,
+        local: DlistHandle,
+        local_idx: npt.NDArray[np.int32],
+        remote: DlistHandle,
+        remote_idx: npt.NDArray[np.int32],
+        notif: bytes,
+        *,
+        merge: bool = True,
+    ) -> XferHandle: ...
+
     def state(self, handle: XferHandle) -> XferState: ...
 
     def release(self, handle: XferHandle) -> bool: ...

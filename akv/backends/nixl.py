@@ -304,22 +304,50 @@ class NixlBackend:
         A list released meanwhile (its peer was re-linked) is a PeerLostError, never handed to
         NIXL (which would read freed memory).
         """
+        return self._post("READ", local, local_idx, remote, remote_idx, notif, merge)
+
+    @on_device
+    def write(
+        self,
+        local: DlistHandle,
+        local_idx: npt.NDArray[np.int32],
+        remote: DlistHandle,
+        remote_idx: npt.NDArray[np.int32],
+        notif: bytes,
+        *,
+        merge: bool = True,
+    ) -> XferHandle:
+        """Create and post a WRITE of local descriptors into the remote ones (push mode); as
+        [`read`][akv.backends.nixl.NixlBackend.read] otherwise."""
+        return self._post("WRITE", local, local_idx, remote, remote_idx, notif, merge)
+
+    def _post(
+        self,
+        op: str,
+        local: DlistHandle,
+        local_idx: npt.NDArray[np.int32],
+        remote: DlistHandle,
+        remote_idx: npt.NDArray[np.int32],
+        notif: bytes,
+        merge: bool,
+    ) -> XferHandle:
+        what = op.lower()
         if local not in self._dlists or remote not in self._dlists:
-            raise PeerLostError("a descriptor list of this read was released (its peer was re-linked)")
-        with map_exceptions("creating the read failed", TransferError):
+            raise PeerLostError(f"a descriptor list of this {what} was released (its peer was re-linked)")
+        with map_exceptions(f"creating the {what} failed", TransferError):
             handle = self._agent.make_prepped_xfer(
-                "READ", local, local_idx, remote, remote_idx, notif, skip_desc_merge=not merge
+                op, local, local_idx, remote, remote_idx, notif, skip_desc_merge=not merge
             )
         self._xfers.add(handle)
         try:
-            with map_exceptions("posting the read failed", TransferError):
+            with map_exceptions(f"posting the {what} failed", TransferError):
                 state = self._agent.transfer(handle)
         except TransferError:
             self.release(handle)
             raise
         if state == "ERR":
             self.release(handle)
-            raise TransferError("NIXL refused to post the read")
+            raise TransferError(f"NIXL refused to post the {what}")
         return handle
 
     @on_device

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -256,7 +256,7 @@ def _ids_json(ids: Any) -> Any:
 
 
 async def _bench_workload(
-    w: Workload, layers: int, progress: Callable[[str], None], device: str = "cpu"
+    w: Workload, layers: int, progress: Callable[[str], None], device: str = "cpu", mode: str = "pull"
 ) -> Figures:
     """Start the workload's prefill engine and measure every method against it."""
     prefill_spec, spec = _specs(w, layers)
@@ -268,13 +268,13 @@ async def _bench_workload(
         exposed = [
             RequestInfo(request_id=f"{rid}{suffix}", block_ids=_ids_json(remote))
             for rid, _, remote in reqs
-            for suffix in ("", "-warm")
+            for suffix in ("", "-warm", *(("-p", "-warm-p") if mode == "push" else ()))
         ]
         save_requests(f"{tmp}/requests.json", exposed)
         # The file stays until the prefill is gone: it reads it again for its summary.
         proc, endpoint = _start_prefill(w, prefill_spec, f"{tmp}/requests.json", device)
         try:
-            return await _measure(w, prefill_spec, spec, reqs, endpoint, progress, device)
+            return await _measure(w, prefill_spec, spec, reqs, endpoint, progress, device, mode)
         finally:
             proc.terminate()
             proc.wait(10)
@@ -290,8 +290,10 @@ async def _measure(
     endpoint: str,
     progress: Callable[[str], None],
     device: str = "cpu",
+    mode: str = "pull",
 ) -> Figures:
-    """Every method on the workload's requests, read from the prefill at ``endpoint``."""
+    """Every method on the workload's requests, read from the prefill at ``endpoint`` (``mode``
+    "push": and akv in push mode, the prefill writing)."""
     import akv
     from akv.backends.nixl import NixlBackend
     from akv.device import parse_device
@@ -317,14 +319,32 @@ async def _measure(
                     ),
                 )
                 group.append(await stack.enter_async_context(c))
+        pushing: list[Any] = []
+        for d in range(w.decode_tp if mode == "push" else 0):
+            dev = parse_device(device).for_rank(d, _cuda_count())
+            c = akv.Consumer(
+                akv.allocate_kv_cache(spec, d, w.decode_tp, device=dev),
+                spec,
+                tp_rank=d,
+                tp_size=w.decode_tp,
+                mode="push",
+                backend=NixlBackend(
+                    f"bench-d{d}p-{os.getpid()}-{w.name}",
+                    cuda_device=int(dev.split(":")[1]) if dev.startswith("cuda") else None,
+                ),
+            )
+            pushing.append(await stack.enter_async_context(c))
         sessions = [await c.connect(endpoint) for c in consumers]
         unchecked_sessions = [await c.connect(endpoint) for c in unchecked]
         batches = [reqs[i : i + w.concurrency] for i in range(0, len(reqs), w.concurrency)]
 
         methods = _Methods(sessions, consumers, spec, prefill_spec, reqs[0], fig, device)
         methods.unchecked = unchecked_sessions
+        methods.pushing = [await c.connect(endpoint) for c in pushing]
         order = ["akv", "nixl", "perblock", "memcpy"]
         extra = ["akv_unchecked", *(["nixl_write"] if device != "cpu" else [])]
+        if pushing:
+            extra.append("akv_push")
         totals: dict[str, list[float]] = {m: [0.0, 0.0] for m in [*order, *extra]}
         progress(f"{w.name}: warming up")
         warm = [(f"{rid}-warm", local, remote) for rid, local, remote in batches[0]]
@@ -337,7 +357,10 @@ async def _measure(
             # akv without the exposure check runs next to akv, in alternating order.
             for m in (order[k] for k in _WILLIAMS[i % 4]):
                 pair = ["akv", "akv_unchecked"] if i % 2 else ["akv_unchecked", "akv"]
-                for method in pair if m == "akv" else [m, "nixl_write"] if m == "nixl" and extra[1:] else [m]:
+                if pushing:  # push beside pull, in alternating order too
+                    pair = [*pair, "akv_push"] if i % 2 else ["akv_push", *pair]
+                raw = [m, "nixl_write"] if m == "nixl" and "nixl_write" in extra else [m]
+                for method in pair if m == "akv" else raw:
                     nbytes, seconds = await methods.run(method, batch, record=True)
                     totals[method][0] += nbytes
                     totals[method][1] += seconds
@@ -371,6 +394,7 @@ class _Methods:
         dev = parse_device(device).for_rank(0, _cuda_count())
         self.sessions, self.consumers, self.fig = sessions, consumers, fig
         self.unchecked: list[Any] = []
+        self.pushing: list[Any] = []  # sessions of consumers in push mode (akv bench --mode push)
         self.drive: list[Any] = []  # raw agents of this process to progress while spinning
         # perblock: every table of the plan as one (addr, len, dev) row per descriptor; a
         # descriptor keeps its index (row base + block), so akv's indices address them too.
@@ -398,7 +422,9 @@ class _Methods:
         if method == "akv":
             return await self._akv(batch, record, self.sessions, self.fig.latency_ms)
         if method == "akv_unchecked":
-            return await self._akv(batch, record, self.unchecked, self.fig.latency_unchecked_ms)
+            return await self._akv(batch, record, self.unchecked, self.fig.latency_unchecked_ms, "-u")
+        if method == "akv_push":
+            return await self._akv(batch, record, self.pushing, [], "-p")
         if method == "memcpy":
             return self._memcpy(batch)
         if method == "nixl_write":
@@ -406,7 +432,12 @@ class _Methods:
         return self._raw(batch, merge=method == "nixl", record=record)
 
     async def _akv(
-        self, batch: list[tuple[str, Any, Any]], record: bool, sessions: list[Any], latency: list[float]
+        self,
+        batch: list[tuple[str, Any, Any]],
+        record: bool,
+        sessions: list[Any],
+        latency: list[float],
+        suffix: str = "",
     ) -> tuple[int, float]:
         total = 0
         t0 = time.perf_counter()
@@ -415,7 +446,7 @@ class _Methods:
         for rid, local, remote in batch:
             for s in sessions:
                 tl = time.perf_counter()
-                transfers.append(await s.pull(rid if checked else f"{rid}-u", local, remote))
+                transfers.append(await s.pull(f"{rid}{suffix}", local, remote))
                 if record and checked:
                     self.fig.launch_akv_us.append((time.perf_counter() - tl) * 1e6)
         for t in transfers:
@@ -687,6 +718,14 @@ def _row(f: Figures) -> dict[str, Any]:
             if "nixl_write" in f.gbps
             else {}
         ),
+        **(
+            {
+                "push_gbps": round(f.gbps["akv_push"], 3),
+                "push_vs_pull": round(f.gbps["akv_push"] / f.gbps["akv"], 3),
+            }
+            if "akv_push" in f.gbps
+            else {}
+        ),
     }
 
 
@@ -859,20 +898,38 @@ async def run_bench(
     preset: str | None = None,
     device: str = "cpu",
     hf_config: str | None = None,
+    mode: str = "pull",
+    layer_ms: float = 0.0,
+    only: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run every workload (or, with ``preset``, that model's), the same-process workload and
     the poller and table figures; returns the JSON summary. ``device``: cpu, cuda or cuda:N
-    (the caches of both sides of each pairing there)."""
+    (the caches of both sides of each pairing there). ``mode`` "push": akv in push mode beside
+    every workload, and the ``layerwise`` workload (``layer_ms`` of computing per layer).
+    ``only``: just these workloads (``layerwise`` among them), no other figures."""
     layers = 8 if quick else 16
     if hf_config:
         workloads, pairs = preset_workloads(_config_name(hf_config), hf_config)
     else:
         workloads, pairs = (WORKLOADS, _HEADMAJOR_PAIRS) if preset is None else preset_workloads(preset)
+    if only:
+        workloads = tuple(w for w in workloads if w.name in only)
     figures = []
     for w in workloads:
         if not quick:
             w = replace(w, requests=w.requests * 4)
-        figures.append(await _bench_workload(w, layers, progress, device))
+        figures.append(await _bench_workload(w, layers, progress, device, mode))
+    lw: list[dict[str, Any]] = []
+    if mode == "push" and (not only or "layerwise" in only):
+        from akv.bench.push import layerwise
+
+        lw.append(await layerwise(layers, layer_ms or 5.0, progress, rounds=4 if quick else 8))
+    if only:
+        return {
+            "workloads": [*(_row(f) for f in figures), *lw],
+            "device": device,
+            "mode": "quick" if quick else "full",
+        }
     same = await _same_process(layers, device, progress)
     progress("poller")
     poller = await _poller_figures(2.0 if quick else 5.0)
@@ -882,7 +939,7 @@ async def run_bench(
     launch_akv = [x for f in figures if f.name == small for x in f.launch_akv_us]
     launch_nixl = [x for f in figures if f.name == small for x in f.launch_nixl_us]
     return {
-        "workloads": [*(_row(f) for f in figures), same],
+        "workloads": [*(_row(f) for f in figures), same, *lw],
         "comparisons": _comparisons(figures, pairs),
         "launch": {
             "akv_us_p50": round(float(np.percentile(launch_akv, 50)), 1),
@@ -961,6 +1018,14 @@ def _print_table(summary: dict[str, Any]) -> None:
             print(
                 f"{w['name']}: raw NIXL WRITE {w['nixl_write_gbps']} GB/s, torch copy {w['torch_gbps']} GB/s"
             )
+        elif w["name"] == "layerwise":
+            print(
+                f"layerwise ({w['layers']} layers, {w['compute_ms']} ms each, {w['bytes']} bytes): pushed "
+                f"tail {w['tail_ms']} ms after the last layer, pulled {w['pull_tail_ms']} ms; one layer's "
+                f"bytes move in {w['layer_ms']} ms (tail {w['tail_vs_layer']}x; target <= 1.5x)"
+            )
+        if "push_gbps" in w and w["name"] != "layerwise":
+            print(f"{w['name']}: push {w['push_gbps']} GB/s, {w['push_vs_pull']}x pull (target >= 0.9x)")
     print(f"poller: {summary['poller']}")
     print(f"table preparation: {summary['table_prep']}")
 
@@ -1051,11 +1116,28 @@ def add_bench_parser(sub: Any) -> None:
         "or cuda:N; on CUDA each workload adds raw NIXL WRITE and a torch device copy (default: %(default)s)",
     )
 
+    p.add_argument(
+        "--only",
+        metavar="NAME[,NAME...]",
+        help="run just these workloads (layerwise: with --mode push), and no other figures",
+    )
+    from akv.cli.args import add_mode_flags
+
+    add_mode_flags(p, layers=True)
+
     def run(a: argparse.Namespace) -> int:
-        from akv.cli.args import device_of, use_gpu_environment
+        from akv.cli.args import check, check_mode, device_of, use_gpu_environment
         from akv.errors import ConfigError
         from akv.testing import ProgressBar
 
+        check_mode(a)
+        only = [n for n in (a.only or "").split(",") if n]
+        known = {w.name for w in WORKLOADS} | {"layerwise"}
+        check(
+            all(n in known for n in only),
+            f"--only {a.only}: unknown workloads {sorted(set(only) - known)} (known: {', '.join(sorted(known))})",
+        )
+        check(a.mode == "push" or "layerwise" not in only, "--only layerwise needs --mode push")
         device = device_of(a)  # a one-line error (exit 64) without a usable GPU
         use_gpu_environment(device)
         if a.plot:
@@ -1069,7 +1151,9 @@ def add_bench_parser(sub: Any) -> None:
             count = len(preset_workloads(_config_name(a.hf_config), a.hf_config)[0])
         else:
             count = len(WORKLOADS) if not a.preset else len(preset_workloads(a.preset)[0])
-        steps = 2 * count + 3  # warm-up and measurement per workload; same process; poller; tables
+        if only:
+            count = len([n for n in only if n != "layerwise"])
+        steps = 2 * count + (0 if only else 3) + (a.mode == "push" and (not only or "layerwise" in only))
         bar = ProgressBar(tty, label="bench", width=24)
         done = [0]
 
@@ -1080,11 +1164,16 @@ def add_bench_parser(sub: Any) -> None:
             if not tty:
                 print(f"[{done[0]}/{steps}] {note}", file=sys.stderr, flush=True)
 
-        summary = anyio.run(run_bench, a.quick, progress, a.preset, str(device), a.hf_config)
+        summary = anyio.run(
+            run_bench, a.quick, progress, a.preset, str(device), a.hf_config, a.mode, a.layer_ms, only
+        )
         bar.close()
         summary["seconds"] = round(time.monotonic() - started, 1)
         if a.json:
             print(json.dumps(summary, separators=(",", ":")), flush=True)
+        elif only:
+            for w in summary["workloads"]:
+                print(json.dumps(w, separators=(",", ":")))
         else:
             _print_table(summary)
             sys.stdout.flush()

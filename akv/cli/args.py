@@ -34,8 +34,10 @@ __all__ = [
     "EXIT_USAGE",
     "add_common",
     "add_device_flag",
+    "add_mode_flags",
     "add_model_flags",
     "check",
+    "check_mode",
     "check_model",
     "check_port",
     "check_seconds",
@@ -389,6 +391,42 @@ def report(a: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
         emit(summary)
     else:
         print(text)
+
+
+# -- transfer mode (push mode, issue 23) --------------------------------------------------
+
+
+def add_mode_flags(p: argparse.ArgumentParser, *, served: bool = False, layers: bool = False) -> None:
+    """``--mode`` (``served``: what a prefill engine serves, both when not given) and, where
+    prefill computes layers (``layers``), ``--layer-ms``."""
+    p.add_argument(
+        "--mode",
+        choices=("pull", "push"),
+        default=None if served else "pull",
+        help="serve only this transfer mode (default: both)"
+        if served
+        else "pull: decode READs; push: prefill WRITEs into blocks decode grants, layer by layer "
+        "(default: %(default)s)",
+    )
+    if layers:
+        p.add_argument(
+            "--layer-ms",
+            type=float,
+            default=0.0,
+            metavar="MS",
+            help="push mode: prefill 'computes' each layer in this many ms after exposing a request, "
+            "and the layers ready so far are pushed (default: 0, every layer ready at once)",
+        )
+
+
+def check_mode(a: argparse.Namespace) -> None:
+    """``--layer-ms`` is >= 0, and only for ``--mode push``."""
+    layer_ms = getattr(a, "layer_ms", 0.0)
+    check(layer_ms >= 0 and math.isfinite(layer_ms), f"--layer-ms must be >= 0, got {layer_ms}")
+    check(
+        layer_ms == 0 or a.mode == "push",
+        "--layer-ms streams layers to pushing decode ranks: add --mode push",
+    )
 
 
 # -- devices ------------------------------------------------------------------------------

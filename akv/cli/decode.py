@@ -152,6 +152,7 @@ async def run_decode(
                     secret=a.secret,
                     transfer_timeout=a.transfer_timeout,
                     tls=getattr(a, "tls", None),
+                    mode=a.mode,
                 )
             )
             for d in mine

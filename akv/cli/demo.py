@@ -19,6 +19,7 @@ from akv.cli.args import (
     EXIT_OK,
     EXIT_USAGE,
     check,
+    check_mode,
     check_model,
     check_seconds,
     described_by,
@@ -68,6 +69,7 @@ def validate(a: argparse.Namespace) -> None:
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
     check_seconds(a.lease, "--lease")
     check_seconds(a.timeout, "--timeout")
+    check_mode(a)
     check(
         not a.etcd or etcd_binary() is not None,
         "--etcd needs an etcd binary: run bash scripts/setup.sh (installs etcd-server) or set AKV_ETCD",
@@ -167,6 +169,7 @@ async def _run_demo(
         str(a.devices["prefill"]),
         *prefill_model,
         *prefill_extra,
+        *(["--mode", "push", "--layer-ms", str(a.layer_ms)] if a.mode == "push" else []),
         *with_parent,
     ]
     bar = ProgressBar(sys.stderr.isatty() and not a.json)
@@ -200,6 +203,8 @@ async def _run_demo(
                 "--device",
                 str(a.devices["decode"]),
                 *decode_model,
+                "--mode",
+                a.mode,
                 *with_parent,
             ]
             async with await anyio.open_process(decode_cmd, env=env, stderr=None) as decode:

@@ -22,6 +22,7 @@ from akv.cli.args import (
     EXIT_USAGE,
     add_common,
     add_device_flag,
+    add_mode_flags,
     add_model_flags,
     add_tls_flags,
     first_leaf,
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
     add_device_flag(p)
     add_tls_flags(p)
+    add_mode_flags(p, served=True, layers=True)
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser(
@@ -219,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
     add_device_flag(p)
     add_tls_flags(p)
+    add_mode_flags(p)
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser(
@@ -280,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
     add_device_flag(p, "prefill", "decode")
     add_tls_flags(p)
+    add_mode_flags(p, layers=True)
     p.set_defaults(func=cmd_demo)
 
     add_engines_parser(sub)

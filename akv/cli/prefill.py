@@ -7,6 +7,7 @@ rank and aggregates their summaries."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import os
@@ -25,6 +26,7 @@ from akv.cli.args import (
     EXIT_FAILED,
     EXIT_OK,
     check,
+    check_mode,
     check_model,
     check_port,
     check_seconds,
@@ -70,6 +72,7 @@ def validate(a: argparse.Namespace) -> None:
     check_seconds(a.lease, "--lease")
     check_seconds(a.timeout, "--timeout", zero_ok=True)
     check_seconds(a.etcd_ttl, "--etcd-ttl")
+    check_mode(a)
     check(bool(a.engine_id), "--engine-id must not be empty")
     check_engine_id(a.engine_id)
     check(
@@ -171,7 +174,9 @@ async def run_prefill(
         etcd_ttl=a.etcd_ttl,
         max_exposed=max(16384, 2 * len(requests)),
         tls=getattr(a, "tls", None),
+        modes=("pull", "push") if a.mode is None else (a.mode,),
     )
+    streaming = a.layer_ms > 0
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
         try:
@@ -191,7 +196,14 @@ async def run_prefill(
                 for req in requests
             ]
             for req in requests:
-                producer.expose(req.request_id, req.block_ids, generation=req.generation)
+                producer.expose(
+                    req.request_id,
+                    req.block_ids,
+                    generation=req.generation,
+                    layers_ready=0 if streaming else None,
+                )
+            if streaming:
+                tg.start_soon(_compute_layers, producer, [r.request_id for r in requests], a.layer_ms)
             ready = {
                 "event": "ready",
                 "endpoint": str(endpoint),
@@ -219,7 +231,8 @@ async def run_prefill(
         "role": "prefill",
         "tp_rank": rank,
         "requests": len(requests),
-        "released": sum(1 for r in outcome if r == ["read"]),
+        "released": sum(1 for r in outcome if r in (["read"], ["pushed"])),
+        "pushed": sum(1 for r in outcome if r == ["pushed"]),
         "expired": sum(1 for r in outcome if "expired" in r),
         "unreleased": sum(1 for r in outcome if not r),
         "duplicate_releases": sum(1 for r in outcome if len(r) > 1),
@@ -228,10 +241,21 @@ async def run_prefill(
         "notifications_unknown": counters.get("notifications_unknown", 0),
         "notifications_invalid": counters.get("notifications_invalid", 0),
         "auth_failures": counters.get("auth_failures", 0),
-        "released_ids": sorted(rid for rid, r in reasons.items() if r == ["read"]),
+        "released_ids": sorted(rid for rid, r in reasons.items() if r in (["read"], ["pushed"])),
         "expired_ids": sorted(rid for rid, r in reasons.items() if "expired" in r),
         "unreleased_ids": sorted(rid for rid, r in reasons.items() if not r),
     }
+
+
+async def _compute_layers(producer: Any, request_ids: list[str], layer_ms: float) -> None:
+    """Push mode's stand-in for a model: one more layer of every request ready each ``layer_ms``."""
+    from akv.errors import UnknownRequestError
+
+    for n in range(1, producer.cache.layers + 1):
+        await anyio.sleep(layer_ms / 1000)
+        for rid in request_ids:
+            with contextlib.suppress(UnknownRequestError):  # released already (lease)
+                producer.layers_ready(rid, n)
 
 
 async def _cancel_on_signal(scope: anyio.CancelScope) -> None:
@@ -308,6 +332,7 @@ async def run_prefill_engine(
         "role": "prefill",
         "requests": len(ids),
         "released": len(released),
+        "pushed": min((s.get("pushed", 0) for s in summaries), default=0),
         "expired": len(expired),
         "unreleased": len(unreleased),
         "duplicate_releases": sum(s.get("duplicate_releases", 0) for s in summaries),
@@ -332,7 +357,8 @@ def cmd_prefill(a: argparse.Namespace) -> int:
         a,
         summary,
         f"prefill{'' if a.tp_rank is None else f' rank {a.tp_rank}'}: {summary['released']}/"
-        f"{summary['requests']} requests released by read, {summary['expired']} expired",
+        f"{summary['requests']} requests released by read{' or push' if summary.get('pushed') else ''}, "
+        f"{summary['expired']} expired",
     )
     if summary.get("lost_ranks"):
         return EXIT_FAILED

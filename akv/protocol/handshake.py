@@ -134,10 +134,13 @@ class HostedRank(Protocol):
     tp_rank: int
     tp_size: int
     lease_s: float
+    # optional: ``modes``, the transfer modes served ("pull", "push"; absent: pull only)
 
     def rank_info(self) -> RankInfo: ...
 
     def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None: ...
+
+    # optional: ``push_peer(hello)``, called for a pushing decode rank once its MAC was checked
 
 
 def register_mac(secret: bytes, msg: Register) -> bytes:
@@ -258,6 +261,9 @@ class ServerConversation:
             return self._fail("incompatible", str(exc), list(exc.fields))
         if msg.compat != first.cache.compat_hash():
             return self._fail("incompatible", "KV caches differ (compat hash)", ["compat"])
+        modes: tuple[str, ...] = getattr(first, "modes", ("pull",))
+        if msg.mode == "push" and not msg.agent_metadata:
+            return self._fail("config", "push mode needs the decode rank's agent metadata in its Hello")
         try:
             msg.spec.check_rank(msg.tp_rank, msg.tp_size)
         except ConfigError as exc:
@@ -274,6 +280,7 @@ class ServerConversation:
             lease_s=first.lease_s,
             endpoints=self.endpoints() if self.endpoints else [],
             instance_id=self.instance_id() if self.instance_id else "",
+            modes=[m for m in ("pull", "push") if m in modes],
         )
         return [self._send(challenge)], False
 
@@ -295,11 +302,21 @@ class ServerConversation:
         unknown = sorted(set(msg.ranks) - set(self.ranks))
         if unknown:
             return self._fail("unknown_rank", f"prefill ranks {unknown} are not served here")
+        modes: tuple[str, ...] = getattr(self.ranks[msg.ranks[0]], "modes", ("pull",)) if msg.ranks else ()
+        if msg.ranks and hello.mode not in modes:  # (listing requests needs no mode)
+            return self._fail(
+                "incompatible",
+                f"the decode rank asks for mode {hello.mode!r}, this engine serves {list(modes)}: "
+                "give both engines the same --mode",
+                ["mode"],
+            )
         infos = []
         try:
             for rank in sorted(set(msg.ranks)):
                 hosted = self.ranks[rank]
                 hosted.peer_connected(hello.engine_id, hello.tp_rank, hello.tp_size, hello.agent_name)
+                if hello.mode == "push":  # only now: the MAC over the Hello was checked
+                    hosted.push_peer(hello)  # type: ignore[attr-defined]
                 infos.append(hosted.rank_info())
         except AkvError as exc:  # e.g. a rank shutting down: fail this handshake, keep serving
             return self._fail("config", f"prefill rank unavailable: {exc}")
@@ -418,6 +435,12 @@ class ClientConversation:
             )
         self.challenge = msg
         self._asked = list(self.choose_ranks(msg))
+        if self._asked and self.hello.mode not in (msg.modes or ["pull"]):
+            raise IncompatiblePeerError(
+                f"remote engine {msg.engine_id} serves modes {list(msg.modes or ['pull'])}, this decode "
+                f"rank asks for {self.hello.mode!r}: give both engines the same --mode",
+                ("mode",),
+            )
         self.state = "metadata"
         request = MetadataRequest(ranks=self._asked)
         if self.secret is not None:

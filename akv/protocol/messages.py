@@ -15,7 +15,9 @@ Protocol history:
 * 3 — the MACs cover the whole transcript (`akv.protocol.handshake.Transcript`), not only
   the nonces; Challenge carries the engine's ``instance_id``; Register carries the rank's
   cache and ``Registered`` a MAC and the instance id; Requests a MAC. Sizes a peer supplies
-  are bounded (``MAX_TP_SIZE``, ``MAX_LIST``, ``MAX_REGIONS``).
+  are bounded (``MAX_TP_SIZE``, ``MAX_LIST``, ``MAX_REGIONS``). Appended since: push mode
+  (Hello ``mode``, ``agent_metadata``, ``region_addrs``, ``mem_type``, ``device_id``;
+  Challenge ``modes``; push notices in `akv.protocol.push`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "DEFAULT_SERVER_MAX_FRAME",
     "MAX_BUCKETS",
     "MAX_LIST",
+    "MAX_METADATA",
     "MAX_REGIONS",
     "MAX_TP_SIZE",
     "PROTOCOL_VERSION",
@@ -66,8 +69,11 @@ MAX_LIST = 65536
 MAX_REGIONS = 65536
 #: Most exposure-table buckets a prefill rank may state.
 MAX_BUCKETS = 1 << 24
-#: Largest frame a server accepts: client messages are small.
-DEFAULT_SERVER_MAX_FRAME = 64 * 1024
+#: Largest agent metadata a decode rank may send (push mode's Hello carries it).
+MAX_METADATA = 1 << 20
+#: Largest frame a server accepts: client messages are small (a pushing decode rank's Hello
+#: carries its agent metadata).
+DEFAULT_SERVER_MAX_FRAME = 64 * 1024 + MAX_METADATA
 #: Largest frame a client accepts: agent metadata can be large.
 DEFAULT_CLIENT_MAX_FRAME = 64 * 1024 * 1024
 _HEADER = struct.Struct(">I")
@@ -94,6 +100,13 @@ class Hello(_Msg, frozen=True, tag=True, kw_only=True):
     compat: Name
     nonce: Annotated[bytes, msgspec.Meta(max_length=64)]
     agent_name: Name = ""  # the decode rank's NIXL agent: its notices are bound to it
+    # push mode (appended): what the decode rank asks for, and what a prefill rank needs to
+    # WRITE into its blocks (its agent metadata and regions), all under the transcript MAC
+    mode: Literal["pull", "push"] = "pull"
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_METADATA)] = b""
+    region_addrs: Annotated[list[int], msgspec.Meta(max_length=MAX_REGIONS)] = []
+    mem_type: Name = "DRAM"
+    device_id: int = 0
 
 
 class Challenge(_Msg, frozen=True, tag=True, kw_only=True):
@@ -109,6 +122,8 @@ class Challenge(_Msg, frozen=True, tag=True, kw_only=True):
     # every rank's control endpoint in rank order, "" if unknown yet
     endpoints: Annotated[list[Name], msgspec.Meta(max_length=MAX_TP_SIZE)] = []
     instance_id: Name = ""  # this incarnation of the engine ("" if this rank does not know it)
+    # the transfer modes the engine serves (appended; empty: an older engine, pull only)
+    modes: Annotated[list[Literal["pull", "push"]], msgspec.Meta(max_length=4)] = []
 
 
 class Register(_Msg, frozen=True, tag=True, kw_only=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import secrets
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -22,6 +23,7 @@ from akv.errors import (
     ClosedError,
     ConfigError,
     PeerLostError,
+    ProtocolError,
     TransferTimeout,
     UnsafeReadError,
 )
@@ -30,7 +32,9 @@ from akv.geometry.spec import KVSpec
 from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
+from akv.protocol.push import decode_push
 from akv.runtime.paths import Failed, Pending
+from akv.runtime.paths.push import PushOp
 from akv.runtime.paths.read import CheckPool
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
@@ -46,6 +50,8 @@ __all__ = ["Consumer", "PullRequest", "Transfer", "TransferResult", "TransferSes
 
 #: Seconds the poller keeps progressing the agent after standalone notices were sent.
 FLUSH_S = 0.5
+#: Longest sleep of the poller while push pulls are in flight.
+PUSH_POLL_S = 0.0005
 #: Seconds after a timed-out pull during which the idle poller still progresses the agent
 #: (every REAP_EVERY_S), so UCX frees the operations to a hung peer once it dies or resumes.
 REAP_S, REAP_EVERY_S = 120.0, 0.25
@@ -97,6 +103,13 @@ class Consumer(RankBase):
             parallel (0: none, NIXL's default; see docs/gpu.md).
         spin_s: how long the poller spins after progress before sleeping.
         poll_max_s: longest sleep of the poller while pulls are in flight.
+        mode: ``"pull"`` (this rank READs) or ``"push"`` (the prefill ranks WRITE into the
+            blocks each pull grants them, layer by layer as prefill computes them; the
+            prefill engine must serve push, else connecting raises
+            [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``mode``).
+            Same API either way; ``TransferResult.path`` says ``"push"``.
+        stop_grace_s: push mode: seconds a failed or cancelled pull waits for its writers to
+            confirm they stopped before it removes their agents and settles anyway.
     """
 
     _role = "d"
@@ -126,6 +139,8 @@ class Consumer(RankBase):
         nixl_threads: int = 0,
         settle_timeout: float = 2.0,
         tls: TLSConfig | None = None,
+        mode: str = "pull",
+        stop_grace_s: float = 5.0,
     ) -> None:
         super().__init__(
             kv_caches,
@@ -160,6 +175,16 @@ class Consumer(RankBase):
         if copy_with not in ("auto", "torch"):
             raise ConfigError(f"copy_with must be 'auto' or 'torch', got {copy_with!r}")
         self.copy_with = copy_with
+        if mode not in ("pull", "push"):
+            raise ConfigError(f"mode must be 'pull' or 'push', got {mode!r}")
+        self.mode = mode
+        if not stop_grace_s > 0:
+            raise ConfigError(f"stop_grace_s must be > 0, got {stop_grace_s}")
+        self.stop_grace_s = stop_grace_s
+        self._grants: dict[int, Transfer] = {}  # push: grant id -> its pull, until settled
+        self._stopping: dict[Transfer, tuple[AkvError, float]] = {}  # failed pushes, writers not stopped yet
+        self._stopped: anyio.Event | None = None
+        self._metadata: bytes | None = None
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
         self.checks = CheckPool(max_checks)
@@ -179,10 +204,22 @@ class Consumer(RankBase):
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         backend = self.backend
         self._reaper = Reaper(backend)
+        if self.mode == "push":
+            self._metadata = await anyio.to_thread.run_sync(backend.metadata)
+            stack.push_async_callback(self._stop_pushes)  # runs before the poller stops
         if self.verify_exposure:
             await anyio.to_thread.run_sync(backend.register_host, self.checks.array)
             self.checks.dlist = await anyio.to_thread.run_sync(backend.prep, "", self.checks.table(), "DRAM")
         tg.start_soon(self._poll)
+
+    async def _stop_pushes(self) -> None:
+        """Closing: fail the push pulls in flight and wait (up to ``stop_grace_s``) until
+        their writers stopped, while the poller still runs."""
+        with anyio.CancelScope(shield=True):
+            for _state, transfer in list(self._tracker):
+                self.fail(transfer, ClosedError("the consumer was closed"))
+            with anyio.move_on_after(self.stop_grace_s + 1):
+                await self.settled()
 
     def _teardown(self) -> None:
         backend = self.backend_or_none
@@ -200,6 +237,13 @@ class Consumer(RankBase):
         for session in list(self._sessions.values()):
             for transfer in list(session.transfers):
                 self.fail(transfer, ClosedError("the session was closed"))
+        # Push writers asked to stop and not confirmed yet: the agent closes now (their
+        # connections go with it); see docs/concepts.md#push-mode for what that guarantees.
+        for transfer, (error, _) in list(self._stopping.items()):
+            self.metrics.inc("push_stops_unconfirmed")
+            transfer.finish(error)
+        self._stopping.clear()
+        self._grants.clear()
         if (self._settling or (self._reaper is not None and len(self._reaper))) and backend is not None:
             backend.close()  # nothing of the failed pulls can land once the agent is destroyed
             if self._reaper is not None:
@@ -230,6 +274,28 @@ class Consumer(RankBase):
     def backend_or_none(self) -> Backend | None:
         """The backend if it is still open."""
         return None if self._backend is None or self._backend.closed else self._backend
+
+    @property
+    def agent_metadata(self) -> bytes:
+        """This rank's agent metadata (push mode: the prefill ranks load it to write)."""
+        if self._metadata is None:
+            self._metadata = self.backend.metadata()
+        return self._metadata
+
+    def new_grant(self) -> int:
+        """A fresh push grant id (random, never 0, not in use)."""
+        while True:
+            grant = secrets.randbits(62) + 1
+            if grant not in self._grants:
+                return grant
+
+    async def settled(self, session: TransferSession | None = None) -> None:
+        """Wait until the failed pulls (of ``session``, or all) have settled: every push
+        writer confirmed it stopped, or was cut off."""
+        while any(session is None or t.session is session for t in self._stopping):
+            if self._stopped is None or self._stopped.is_set():
+                self._stopped = anyio.Event()
+            await self._stopped.wait()
 
     def local_dlist(self, key: Any, table: npt.NDArray[np.int64]) -> Any:
         """The prepared local list for a table key (shared by every session)."""
@@ -285,6 +351,8 @@ class Consumer(RankBase):
         """Hand a launched pull to the poller (polled once right away: shared-memory reads are
         often done by the time they are posted)."""
         self._tracker.add(transfer.state, transfer)
+        if isinstance(transfer.op, PushOp):
+            self._grants[transfer.op.grant] = transfer
         self._check(transfer, time.monotonic())
         if not transfer.done():
             self._backoff.wake()
@@ -301,11 +369,13 @@ class Consumer(RankBase):
 
     def fail(self, transfer: Transfer, error: AkvError) -> None:
         """Fail a pull: stop its transfer and settle it with ``error`` once nothing it started
-        can still write into its blocks (at once, unless NIXL still reports reads running)."""
+        can still write into its blocks: at once, unless NIXL still reports reads running (see
+        ``settle_timeout``) or push writers have not confirmed they stopped (see
+        ``stop_grace_s`` and `_settle_pushes`)."""
         if transfer in self._settling:
             return
         transfer.op.abort()
-        was_done = transfer.done()
+        was_done = transfer.done() or transfer.state.finished
         transfer.state.fail()
         self._tracker.discard(transfer.state)
         transfer.session.transfers.discard(transfer)
@@ -322,6 +392,12 @@ class Consumer(RankBase):
             self._settling[transfer] = error  # settled by the poller (see settle_timeout)
             self._backoff.wake()
             return
+        if isinstance(transfer.op, PushOp) and not transfer.op.settled:
+            if transfer not in self._stopping:
+                self._stopping[transfer] = (error, time.monotonic() + self.stop_grace_s)
+            self._backoff.wake()
+            return
+        self._forget_grant(transfer)
         transfer.finish(error)
 
     async def settle(self, op: object) -> None:
@@ -381,6 +457,7 @@ class Consumer(RankBase):
         for _state, transfer in list(self._tracker):
             self.fail(transfer, error)
         self._backend, self._reaper = new, Reaper(new)
+        self._metadata = None  # push mode: the next handshakes carry the new agent's metadata
         self.checks.dlist = dlist
         self._local_dlists.clear()
         self.agent_epoch += 1
@@ -394,10 +471,63 @@ class Consumer(RankBase):
         self._finish_settled(everything=True)
         self.metrics.inc("agent_resets")
 
+    def _forget_grant(self, transfer: Transfer) -> None:
+        if isinstance(transfer.op, PushOp) and self._grants.get(transfer.op.grant) is transfer:
+            del self._grants[transfer.op.grant]
+
+    def _settle_pushes(self, now: float) -> None:
+        """Settle failed push pulls whose writers all stopped; past the grace period, remove
+        the agents of writers that did not confirm (they can no longer reach this rank through
+        them) and settle anyway."""
+        for transfer, (error, deadline) in list(self._stopping.items()):
+            op = transfer.op
+            if isinstance(op, PushOp) and not op.settled:
+                if now < deadline:
+                    continue
+                silent = op.unconfirmed
+                self.metrics.inc("push_stops_unconfirmed")
+                self._log.warning(
+                    "push writers did not confirm they stopped: their agents are removed",
+                    request=transfer.request_id,
+                    prefill_ranks=silent,
+                )
+                transfer.session.invalidate(silent)
+            del self._stopping[transfer]
+            self._forget_grant(transfer)
+            transfer.finish(error)
+        if not self._stopping and self._stopped is not None:
+            self._stopped.set()
+
+    def pump(self) -> None:
+        """Push mode: progress the agent now (a notice just queued goes out), dispatching
+        what arrived."""
+        try:
+            self._drain()
+        except BackendError as exc:  # pragma: no cover - defensive: the poller tries again
+            self._log.warning("draining notifications failed", error=str(exc))
+
+    def _drain(self) -> bool:
+        """Push mode: take the writers' notices, each to the pull it is bound to; anything
+        else (late, unknown, repeated, from another agent) is dropped and counted."""
+        notifs = self.backend.notifications()
+        for agent, messages in notifs.items():
+            for raw in messages:
+                try:
+                    notice = decode_push(raw)
+                except ProtocolError:
+                    self.metrics.inc("push_notices_dropped")
+                    continue
+                transfer = self._grants.get(notice.grant)
+                op = transfer.op if transfer is not None else None
+                if not isinstance(op, PushOp) or not op.on_notice(agent, notice):
+                    self.metrics.inc("push_notices_dropped")
+        return bool(notifs)
+
     def _complete(self, transfer: Transfer) -> None:
         session = transfer.session
         self._tracker.discard(transfer.state)
         session.transfers.discard(transfer)
+        self._forget_grant(transfer)
         # Reads carry their own notification; the other ranks (all, if nothing was read) get one now.
         if transfer.notify:
             session.notify(transfer.notify, transfer.notice)
@@ -441,11 +571,19 @@ class Consumer(RankBase):
         while True:
             now = time.monotonic()
             progressed = False
+            pushing = self.mode == "push"
+            if pushing:
+                try:
+                    progressed |= self._drain()
+                except BackendError as exc:  # pragma: no cover - defensive: keep polling
+                    self._log.warning("draining notifications failed", error=str(exc))
             for _state, transfer in self._tracker:
                 try:
                     progressed |= self._check(transfer, now)
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.fail(transfer, exc)
+            if self._stopping:
+                self._settle_pushes(now)
             reaper = self.reaper
             if len(reaper):
                 reaper.retry()
@@ -469,13 +607,14 @@ class Consumer(RankBase):
                 backoff.progressed()
             flushing = now < self._flush_until
             reaping = now < self._reap_until
-            if flushing or reaping:
+            if (flushing or reaping) and not pushing:
                 try:
                     backend.progress()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self._log.warning("progressing the agent failed", error=str(exc))
-            if len(self._tracker) or flushing:
-                await backoff.wait(busy=True)
+            if len(self._tracker) or flushing or self._settling or self._stopping:
+                # push: the writers' notices are the completion; look for them often
+                await backoff.wait(busy=True, limit=PUSH_POLL_S if pushing and self._grants else None)
             else:
                 limit = 0.01 if len(reaper) else REAP_EVERY_S if reaping else math.inf
                 await backoff.wait(busy=False, limit=limit)

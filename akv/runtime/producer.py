@@ -6,6 +6,7 @@ module feeds it NIXL notices and the clock and delivers its releases.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -31,13 +32,15 @@ from akv.errors import (
     IncompatiblePeerError,
     ProtocolError,
     RefusedError,
+    UnknownRequestError,
 )
 from akv.exposure import ExposureTable
 from akv.geometry.cache import CacheSpec
 from akv.geometry.spec import KVSpec
 from akv.ledger import Release, ReleaseLedger, ReleaseReason, check_lease
 from akv.protocol.address import Endpoint, check_engine_id, parse_endpoint
-from akv.protocol.messages import Notice, RankInfo, Register, decode_notice
+from akv.protocol.messages import Hello, Notice, RankInfo, Register, decode_notice
+from akv.protocol.push import decode_push, is_push
 from akv.runtime import local
 from akv.runtime.control import ControlServer, register_rank
 from akv.runtime.rank import RankBase, default_engine_id
@@ -52,6 +55,9 @@ __all__ = ["EngineRelease", "EngineReleases", "Producer", "Release"]
 
 #: Releases kept for a [`Producer.releases`][akv.Producer.releases] reader that is not keeping up.
 RELEASE_BUFFER = 4096
+#: Longest sleep of the poller while pushing decode ranks are linked and requests exposed
+#: (an announcement waits for the next look).
+PUSH_POLL_S = 0.0005
 #: Seconds between a rank's registrations with its engine's bootstrap.
 REGISTER_EVERY_S = 2.0
 
@@ -103,6 +109,11 @@ class Producer(RankBase):
         tls: serve the control plane over TLS (when this producer creates its server) and,
             for a rank > 0, register with the bootstrap over TLS (the CA is then required);
             see [`TLSConfig`][akv.TLSConfig].
+        modes: the transfer modes this rank serves: ``"pull"`` (decode ranks READ) and
+            ``"push"`` (this rank WRITEs into decode ranks that announce requests, layer by
+            layer: see [`layers_ready`][akv.Producer.layers_ready]). A decode rank asking for
+            another mode gets an [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError]
+            naming ``mode``.
     """
 
     _role = "p"
@@ -133,6 +144,7 @@ class Producer(RankBase):
         spin_s: float = 0.002,
         nixl_threads: int = 0,
         tls: TLSConfig | None = None,
+        modes: Sequence[str] = ("pull", "push"),
     ) -> None:
         if etcd is not None and engine_id is None:
             raise ConfigError("registering in etcd needs an explicit engine_id, the same on every rank")
@@ -150,6 +162,9 @@ class Producer(RankBase):
             nixl_threads=nixl_threads,
         )
         self.lease_s = check_lease(lease)
+        if not modes or any(m not in ("pull", "push") for m in modes):
+            raise ConfigError(f"modes must name 'pull' and/or 'push', got {list(modes)}")
+        self.modes: tuple[str, ...] = tuple(m for m in ("pull", "push") if m in modes)
         if max_exposed < 1:
             raise ConfigError(f"max_exposed must be >= 1, got {max_exposed}")
         self.on_release = on_release
@@ -190,6 +205,9 @@ class Producer(RankBase):
         self._idle: anyio.Event | None = None
         self._inbox: deque[tuple[str, bytes]] = deque()  # notices from decode ranks of this process
         self._loop_thread = 0
+        from akv.runtime.pusher import Pusher
+
+        self.pusher = Pusher(self, self._deliver, self._log)
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -270,6 +288,7 @@ class Producer(RankBase):
             delay = REGISTER_EVERY_S if delay >= REGISTER_EVERY_S else min(delay * 2, REGISTER_EVERY_S)
 
     def _teardown(self) -> None:
+        self.pusher.close()
         self._deliver(self.ledger.close())
         for stream in self._streams:
             stream.close()
@@ -309,6 +328,12 @@ class Producer(RankBase):
         self._senders[agent_name] = (engine_id, decode_rank, decode_tp)
         self._log.info("decode rank connected", peer=engine_id, decode_rank=decode_rank, decode_tp=decode_tp)
 
+    def push_peer(self, hello: Hello) -> None:
+        """A decode rank that proved the secret asks to be pushed to: load its agent."""
+        if not self.running:
+            raise ClosedError("the producer is not running")
+        self.pusher.add_peer(hello)
+
     def expected_notifications(self, decode_tp: int) -> int:
         """How many decode ranks of an engine with ``decode_tp`` notify this rank per request."""
         n = self._expected.get(decode_tp)
@@ -327,6 +352,7 @@ class Producer(RankBase):
         *,
         lease: float | None = None,
         generation: int | None = None,
+        layers_ready: int | None = None,
     ) -> int:
         """Pin a request's blocks until read by every expected decode rank or the lease ends;
         returns the exposure's generation.
@@ -344,6 +370,11 @@ class Producer(RankBase):
             lease: seconds it stays pinned without being read (default: the producer's).
             generation: the generation to use, in ``[1, 2**31)``, for an engine that announces
                 one generation for all its ranks (default: this rank's next).
+            layers_ready: push mode: how many model layers (from layer 0) are computed so far
+                (default: all); decode ranks that announced the request get those layers
+                written now, the rest as [`layers_ready`][akv.Producer.layers_ready] reports
+                them. Pulling readers are not held back: expose with fewer layers only for
+                decode engines in push mode.
 
         Raises:
             BlockIdError: bad block ids, or none: a request with nothing to pull needs no
@@ -354,9 +385,32 @@ class Producer(RankBase):
         if not self.running:
             raise ClosedError("the producer is not running")
         ids = self.cache.flatten(self.cache.per_group(block_ids, f"request {request_id!r}"))
+        if layers_ready is not None and not 0 <= layers_ready <= self.pusher.layers:
+            raise ConfigError(f"layers_ready must be in [0, {self.pusher.layers}], got {layers_ready}")
         generation = self.ledger.expose(request_id, ids, time.monotonic(), lease, generation)
+        self.pusher.exposed(request_id, layers_ready)
         self._backoff.wake()
         return generation
+
+    def layers_ready(self, request_id: str, n: int) -> None:
+        """Push mode: the first ``n`` model layers of an exposed request are computed (``n``
+        only grows; the number of layers or more: all). Decode ranks that announced it get
+        the bytes of those layers written now.
+
+        Args:
+            request_id: the exposed request.
+            n: how many model layers, from layer 0, are computed.
+
+        Raises:
+            UnknownRequestError: the request is not exposed.
+            ConfigError: ``n`` is negative.
+        """
+        if request_id not in self.ledger:
+            raise UnknownRequestError(f"request {request_id!r} is not exposed")
+        if n < 0:
+            raise ConfigError(f"layers_ready needs n >= 0, got {n}")
+        self.pusher.layers_ready(request_id, min(n, self.pusher.layers))
+        self._backoff.wake()
 
     def extend(self, request_id: str, seconds: float | None = None) -> None:
         """Push the lease deadline of ``request_id`` to now + ``seconds`` (default: its lease)."""
@@ -389,8 +443,10 @@ class Producer(RankBase):
             await self._idle.wait()
 
     def _deliver(self, releases: list[Release]) -> None:
+        if releases:
+            self.pusher.released(releases)
         for release in releases:
-            if release.reason != "read":
+            if release.reason not in ("read", "pushed"):
                 self._log.info(
                     "blocks released",
                     request=release.request_id,
@@ -461,10 +517,19 @@ class Producer(RankBase):
         while self._inbox:
             agent, message = self._inbox.popleft()
             notifs.setdefault(agent, []).append(message)
+        now = time.monotonic()
         for agent, messages in notifs.items():
             sender = self._senders.get(agent)
             for raw in messages:
                 self.metrics.inc("notifications_received")
+                if is_push(raw):
+                    try:
+                        push = decode_push(raw)
+                    except ProtocolError:
+                        self.metrics.inc("notifications_invalid")
+                        continue
+                    self.pusher.on_notice(agent, push, now)
+                    continue
                 if sender is None:  # an agent that never handshook with this rank
                     self.metrics.inc("notifications_unbound")
                     continue
@@ -481,15 +546,28 @@ class Producer(RankBase):
 
     async def _poll(self) -> None:
         backoff = self._backoff
+        pusher = self.pusher
         while True:
             try:
                 if self._drain():
                     backoff.progressed()
             except AkvError as exc:
                 self._log.warning("draining notifications failed", error=str(exc))
-            expired, until = self.ledger.expire(time.monotonic())
+            now = time.monotonic()
+            if pusher.grants or pusher.busy:
+                try:
+                    if pusher.poll(now):
+                        backoff.progressed()
+                        self._drain()  # progress the agent now: a notice just queued goes out
+                    elif pusher.writing:
+                        backoff.progressed()  # spin until the writes complete
+                except AkvError as exc:  # pragma: no cover - defensive: keep polling
+                    self._log.warning("push progress failed", error=str(exc))
+            expired, until = self.ledger.expire(now)
             self._deliver(expired)
-            await backoff.wait(busy=bool(len(self.ledger)), limit=until)
+            if pusher.targets and len(self.ledger):  # announcements may come: look often
+                until = min(until if until is not None else math.inf, PUSH_POLL_S)
+            await backoff.wait(busy=bool(len(self.ledger)) or pusher.busy, limit=until)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from akv.errors import (
     IncompatiblePeerError,
     MissingRanksError,
     PeerLostError,
+    TransferCancelledError,
     TransferError,
     TransferTimeout,
     UnsafeReadError,
@@ -48,10 +49,12 @@ from akv.protocol.address import (
 )
 from akv.protocol.handshake import HandshakeResult
 from akv.protocol.messages import Challenge, Hello, Notice, RankInfo, encode_notice
+from akv.protocol.push import PushNotice, encode_push
 from akv.runtime import local
 from akv.runtime.local import LocalRank
 from akv.runtime.paths import Failed, PathName, PathOp
 from akv.runtime.paths.copy import CopyPlan
+from akv.runtime.paths.push import PushOp
 from akv.runtime.paths.read import NixlRead, RankCheck, ReadPost
 from akv.runtime.rank import _leaves
 from akv.tracker import Stage, TransferState
@@ -63,6 +66,13 @@ if TYPE_CHECKING:
     from akv.runtime.consumer import Consumer
 
 __all__ = ["PullRequest", "Transfer", "TransferResult", "TransferSession"]
+
+
+def _ids(ids: Any) -> Any:
+    """Block ids as plain lists (flat, or per group) for a push announcement."""
+    if isinstance(ids, Mapping):
+        return {str(k): [int(b) for b in v] for k, v in ids.items()}
+    return [int(b) for b in ids]
 
 
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,7 +121,7 @@ class TransferResult(msgspec.Struct, frozen=True):
         reads: prefill ranks read from (one read, or one copy, each).
         seconds: wall time from launch to completion.
         path: how the bytes moved: ``"copy"`` (torch, the prefill ranks live in this
-            process) or ``"read"`` (NIXL READs).
+            process), ``"read"`` (NIXL READs) or ``"push"`` (the prefill ranks WRITEs).
     """
 
     request_id: str
@@ -165,8 +175,20 @@ class Transfer:
 
     @property
     def path(self) -> PathName:
-        """The transfer path moving its bytes: ``"copy"`` or ``"read"``."""
+        """The transfer path moving its bytes: ``"copy"``, ``"read"`` or ``"push"``."""
         return self.op.path
+
+    async def cancel(self) -> None:
+        """Stop the pull; returns once nothing it started can still write into its blocks
+        (push mode: every writer confirmed it stopped, or its agent was removed). Then
+        ``await transfer`` raises [`TransferCancelledError`][akv.errors.TransferCancelledError]
+        (unless it had settled already)."""
+        if not self.done() and not self.state.finished:
+            self.session.consumer.fail(
+                self, TransferCancelledError(f"transfer {self.request_id!r} was cancelled")
+            )
+        with contextlib.suppress(AkvError):
+            await self.wait()
 
     def done(self) -> bool:
         """True once the transfer completed or failed."""
@@ -290,7 +312,7 @@ class TransferSession:
 
     def _hello(self) -> Hello:
         c = self.consumer
-        return Hello(
+        hello = Hello(
             engine_id=c.engine_id,
             tp_rank=c.tp_rank,
             tp_size=c.tp_size,
@@ -299,6 +321,16 @@ class TransferSession:
             nonce=secrets.token_bytes(16),
             agent_name=c.backend.name,
         )
+        if c.mode == "push":  # the prefill ranks WRITE: they need our agent and regions
+            hello = msgspec.structs.replace(
+                hello,
+                mode="push",
+                agent_metadata=c.agent_metadata,
+                region_addrs=list(c.memory.region_addrs),
+                mem_type=c.mem_type,
+                device_id=c.memory.device_id,
+            )
+        return hello
 
     def needed(self, prefill_tp: int) -> set[int]:
         """The prefill ranks this decode rank reads from or notifies."""
@@ -727,21 +759,37 @@ class TransferSession:
         lease = request.lease_s if request.lease_s else self.lease_s  # the exposure's own lease
         heartbeat = lease / 3 if lease > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
-        try:
-            op, notify = self._launch(plan, prepared, request.request_id, notice, request.generation)
-        except _Unsettled as unsettled:
-            await c.settle(unsettled.op)  # no write lands after pull raises
-            raise unsettled.error from None
+        op: PathOp
+        failed: Failed | None = None
+        if self.path_for(prepared) == "push":
+            push = op = self._launch_push(prepared, request)
+            notify = prepared.standalone
+            failed = push.start()
+        else:
+            try:
+                op, notify = self._launch(plan, prepared, request.request_id, notice, request.generation)
+            except _Unsettled as unsettled:
+                await c.settle(unsettled.op)  # no write lands after pull raises
+                raise unsettled.error from None
         transfer = Transfer(self, request.request_id, prepared, notice, state, op, notify)
         transfer.generation = request.generation
         self.transfers.add(transfer)
         c.track(transfer)
+        if failed is not None:  # an announcement could not be sent: the writers told already stop
+            self.mark_broken(failed.error, failed.rank)
+            c.fail(transfer, failed.error)
+            await transfer.wait()  # raises, once none of them can still write
+        else:
+            c.pump()  # the announcements go out now
         return transfer
 
     def path_for(self, prepared: Prepared) -> PathName:
         """The path a prepared request takes: ``"copy"`` if every prefill rank it reads from
-        lives in this process (and the consumer allows it), else ``"read"``."""
-        return "copy" if self._copier_for(prepared) is not None else "read"
+        lives in this process (and the consumer allows it), else ``"push"`` for a consumer
+        in push mode, else ``"read"``."""
+        if self._copier_for(prepared) is not None:
+            return "copy"
+        return "push" if self.consumer.mode == "push" else "read"
 
     def _copier_for(self, prepared: Prepared) -> CopyPlan | None:
         copier = self.copier
@@ -790,6 +838,34 @@ class TransferSession:
             raise failed.error
         return read, prepared.standalone
 
+    def _launch_push(self, prepared: Prepared, req: PullRequest) -> PushOp:
+        """The grant of this pull's blocks to its writers (every prefill rank it reads from);
+        its ``start`` announces it."""
+        c = self.consumer
+        writers = {op.remote_rank: self.links[op.remote_rank].agent for op, _, _ in prepared.posts}
+        announce = PushNotice(
+            kind="announce",
+            engine_id=c.engine_id,
+            decode_rank=c.tp_rank,
+            decode_tp=c.tp_size,
+            request_id=req.request_id,
+            grant=c.new_grant(),
+            generation=req.generation,
+            local_ids=_ids(req.local_block_ids),
+            remote_ids=_ids(req.remote_block_ids),
+            num_tokens=req.num_tokens or 0,
+        )
+        c.flush_notices()
+        return PushOp(c.backend, writers, announce)
+
+    def invalidate(self, ranks: Sequence[int]) -> None:
+        """Writers that did not confirm a stop in time: forget their agents (the next pull
+        that needs them handshakes again)."""
+        for rank in ranks:
+            link = self.links.get(rank)
+            if link is not None:
+                self._drop(link)
+
     def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32], generation: int = 0) -> bytes:
         """The "done" notice of a request, with the digest of its prefill block ids (and the
         exposure generation the pull is bound to)."""
@@ -820,6 +896,20 @@ class TransferSession:
         if sent_nixl:
             self.consumer.flush_notices()
 
+    def say_bye(self) -> None:
+        """Push mode: tell the prefill ranks to forget this decode rank's agent."""
+        c = self.consumer
+        if c.mode != "push" or c.backend_or_none is None:
+            return
+        bye = encode_push(
+            PushNotice(kind="bye", engine_id=c.engine_id, decode_rank=c.tp_rank, decode_tp=c.tp_size)
+        )
+        for link in self.links.values():
+            if not link.dropped:
+                with contextlib.suppress(AkvError):
+                    c.backend.notify(link.agent, bye)
+        c.flush_notices()
+
     def extend(self, request_ids: Sequence[str]) -> None:
         """Send "extend" notices for ``request_ids`` to every prefill rank this rank notifies."""
         if not request_ids or self.plan is None:
@@ -847,6 +937,8 @@ class TransferSession:
         for transfer in running:
             with contextlib.suppress(AkvError):
                 await transfer.wait()
+        await self.consumer.settled(self)
+        self.say_bye()
         self._unload()
         self.consumer.forget(self)
 

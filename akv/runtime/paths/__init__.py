@@ -9,6 +9,7 @@ ranks) when it is launched, and reports its outcome as a value.
 | path | module | when |
 | --- | --- | --- |
 | ``"copy"`` | `akv.runtime.paths.copy` | every prefill rank the pull reads from lives in this process |
+| ``"push"`` | `akv.runtime.paths.push` | a consumer in push mode: the prefill ranks WRITE, layer by layer |
 | ``"read"`` | `akv.runtime.paths.read` | otherwise: NIXL READs of the paged runs |
 
 Every path keeps the guarantees of a pull: it reports success only if, once its bytes were
@@ -34,9 +35,9 @@ from akv.errors import AkvError, UnsafeReadError
 
 __all__ = ["PATHS", "Failed", "PathName", "PathOp", "Pending", "unsafe"]
 
-PathName = Literal["copy", "read"]
+PathName = Literal["copy", "read", "push"]
 #: Every path, in order of preference.
-PATHS: tuple[PathName, ...] = ("copy", "read")
+PATHS: tuple[PathName, ...] = ("copy", "push", "read")
 
 
 @dataclass(frozen=True, slots=True)

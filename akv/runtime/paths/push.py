@@ -1,0 +1,155 @@
+"""The push path: the prefill ranks WRITE into this decode rank's blocks.
+
+The decode rank *grants* its blocks for one pull: it sends each writer (the prefill ranks
+the plan reads from) an ``announce`` notice with a random grant id, then waits for every
+writer's ``pushed`` notice. Notices are dispatched here by the consumer, bound to the grant,
+the writer's agent (the one the handshake linked for that prefill rank), the request and
+the generation; anything else is dropped and counted by the consumer.
+
+Settling (the decode-centred safety rule): once aborted, the op is *settled* only when every
+writer confirmed it can no longer write (``pushed``, ``stopped`` or ``failed``: each is sent
+only once none of the writer's WRITEs for the grant can land). Until then the consumer does
+not hand the pull's blocks back (it does not settle the pull); past its grace period it
+removes the silent writers' agents and settles (see docs/concepts.md for what that proves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from akv.backends import Backend
+from akv.errors import (
+    AkvError,
+    LeaseExpiredError,
+    NotExposedError,
+    OutsideExposureError,
+    ReexposedError,
+    ReleasedError,
+    TransferError,
+)
+from akv.protocol.push import PushNotice, encode_push
+from akv.runtime.paths import Failed, Outcome, PathName, Pending
+
+__all__ = ["PushOp", "push_error"]
+
+_ERRORS: dict[str, type[TransferError]] = {
+    "expired": LeaseExpiredError,
+    "released": ReleasedError,
+    "reexposed": ReexposedError,
+    "outside": OutsideExposureError,
+    "not_exposed": NotExposedError,
+}
+
+
+def push_error(notice: PushNotice) -> TransferError:
+    """The typed error a writer's ``failed`` notice stands for."""
+    cls = _ERRORS.get(notice.code, TransferError)
+    return cls(
+        f"prefill rank {notice.prefill_rank} cannot push {notice.request_id!r} "
+        f"({notice.code or 'failed'}): {notice.message}"
+    )
+
+
+class PushOp:
+    """One pull on the push path (see the module)."""
+
+    path: PathName = "push"
+
+    def __init__(
+        self,
+        backend: Backend,
+        writers: Mapping[int, str],
+        announce: PushNotice,
+    ) -> None:
+        self.backend = backend
+        self.writers = dict(writers)  # prefill rank -> its agent's name
+        self.announce = announce
+        self.grant = announce.grant
+        self.pushed: set[int] = set()
+        self.stopped: set[int] = set()  # confirmed: nothing of theirs can land any more
+        self.failure: Failed | None = None
+        self.aborted = False
+        self._changed = False
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        """The writers that have not pushed yet: losing one fails the pull."""
+        return frozenset(r for r in self.writers if r not in self.pushed)
+
+    def _send(self, rank: int, notice: PushNotice) -> AkvError | None:
+        try:
+            self.backend.notify(self.writers[rank], encode_push(notice))
+        except AkvError as exc:
+            return exc
+        return None
+
+    def start(self) -> Failed | None:
+        """Announce the grant to every writer."""
+        for rank in sorted(self.writers):
+            error = self._send(rank, self.announce)
+            if error is not None:
+                return Failed(error, rank)
+        return None
+
+    def on_notice(self, agent: str, notice: PushNotice) -> bool:
+        """A writer's notice for this grant; False if it is not bound to this op (another
+        agent, request or generation), repeats one already taken, or is a ``stopped`` that no
+        stop asked for (the consumer drops and counts it)."""
+        rank = notice.prefill_rank
+        if (
+            self.writers.get(rank) != agent
+            or notice.request_id != self.announce.request_id
+            or notice.generation != self.announce.generation
+            or rank in self.stopped
+            or rank in self.pushed
+        ):
+            return False
+        if notice.kind == "pushed":
+            self.pushed.add(rank)
+        elif notice.kind == "stopped" and self.aborted:  # only ever the answer to our stop
+            self.stopped.add(rank)
+        elif notice.kind == "failed":
+            self.stopped.add(rank)
+            if self.failure is None and not self.aborted:
+                self.failure = Failed(push_error(notice), None)
+        else:
+            return False
+        self._changed = True
+        return True
+
+    def poll(self) -> Outcome:
+        """None once every writer pushed; `Failed` once one failed; else `Pending`."""
+        changed, self._changed = self._changed, False
+        if self.failure is not None:
+            return self.failure
+        if len(self.pushed) == len(self.writers):
+            return None
+        return Pending(changed)
+
+    def abort(self) -> None:
+        """Withdraw the grant: tell every writer that has not confirmed to stop. Returns at
+        once; the op is [`settled`][akv.runtime.paths.push.PushOp.settled] once they confirmed."""
+        if self.aborted:
+            return
+        self.aborted = True
+        stop = PushNotice(
+            kind="stop",
+            engine_id=self.announce.engine_id,
+            decode_rank=self.announce.decode_rank,
+            decode_tp=self.announce.decode_tp,
+            request_id=self.announce.request_id,
+            grant=self.grant,
+            generation=self.announce.generation,
+        )
+        for rank in self.unconfirmed:
+            self._send(rank, stop)  # a writer we cannot reach is settled by its agent's removal
+
+    @property
+    def unconfirmed(self) -> list[int]:
+        """Writers that may still write into the pull's blocks."""
+        return sorted(r for r in self.writers if r not in self.pushed and r not in self.stopped)
+
+    @property
+    def settled(self) -> bool:
+        """True once no writer can still write into the pull's blocks."""
+        return not self.unconfirmed

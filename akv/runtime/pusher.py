@@ -1,0 +1,479 @@
+"""The prefill side of push mode: WRITE a request's blocks into the decode ranks that
+announced it, layer by layer as they become ready.
+
+A decode rank in push mode sends its agent metadata and regions in its Hello (under the
+handshake's MAC); the [`Producer`][akv.Producer] hands that Hello to this module, which loads
+the agent and, on the first announcement, builds the decode rank's own transfer plan (the
+same deterministic plan the decode rank built: same specs, same addresses, same request
+key), so an announcement carries only block ids, never addresses. For each announcement
+(a *grant*) this rank posts WRITEs of the descriptors whose layers are ready, more as
+[`Producer.layers_ready`][akv.Producer.layers_ready] says so, and once the last layer's
+writes are DONE and the exposure still holds (same generation), it tells the decode rank
+``pushed`` and counts that decode rank as a reader (release reason ``"pushed"``).
+
+Safety (decode-centred, see docs/concepts.md): a grant is served only for the agent that
+announced it; ``stop`` ends it, answered by ``stopped`` once every WRITE posted for it was
+DONE or released by NIXL (the Reaper); an exposure released under a grant (lease, close)
+fails the grant, answered ``failed`` under the same condition.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from akv import exposure
+from akv.backends import DlistHandle, Reaper, XferHandle, mem_type
+from akv.errors import AkvError, BlockIdError, ConfigError, PeerLostError, TransferError
+from akv.plan import RankMemory, TransferPlan
+from akv.protocol.messages import Hello, Notice
+from akv.protocol.push import PushNotice, encode_push
+
+if TYPE_CHECKING:
+    from akv.ledger import Release
+    from akv.runtime.producer import Producer
+
+__all__ = ["FLUSH_S", "MAX_GRANTS", "RETIRED", "Pusher"]
+
+#: Grants (announcements not finished) held at once per decode rank.
+MAX_GRANTS = 4096
+#: Released request ids remembered, so a late announcement is answered at once.
+RETIRED = 65536
+#: Seconds the producer keeps progressing its agent after sending a push notice.
+FLUSH_S = 0.5
+
+
+@dataclass(eq=False)
+class _Target:
+    """A decode rank pushed to: its agent, plan and the lists prepared for it."""
+
+    agent: str
+    hello: Hello
+    plan: TransferPlan | None = None
+    lists: dict[tuple[str, Any], DlistHandle] = field(default_factory=dict)
+
+    @property
+    def identity(self) -> tuple[str, int, int]:
+        return self.hello.engine_id, self.hello.tp_rank, self.hello.tp_size
+
+
+@dataclass(eq=False)
+class _Grant:
+    """One announcement: what to write where, and how far it got."""
+
+    target: _Target
+    notice: PushNotice
+    received: float
+    state: str = "waiting"  # waiting | writing | ending | done
+    generation: int = 0  # the exposure it writes (known once started)
+    digest: int = 0
+    local: DlistHandle = None
+    remote: DlistHandle = None
+    ri: npt.NDArray[np.int32] | None = None  # this rank's descriptors
+    li: npt.NDArray[np.int32] | None = None  # the decode rank's
+    layers: npt.NDArray[np.int64] | None = None  # last model layer of each descriptor
+    sent: npt.NDArray[np.bool_] | None = None
+    pending: set[XferHandle] = field(default_factory=set)
+    reaping: int = 0  # handles handed to the reaper, not released yet
+    answer: PushNotice | None = None  # what to send once nothing can land ("stopped"/"failed")
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.target.agent, self.notice.grant
+
+
+class Pusher:
+    """Push-mode state of one prefill rank (driven by its Producer's poller)."""
+
+    def __init__(self, producer: Producer, deliver: Callable[[list[Release]], None], log: Any) -> None:
+        self.producer = producer
+        self.deliver = deliver  # hands releases to the producer's listeners
+        self.log = log
+        self.metrics = producer.metrics
+        self.targets: dict[str, _Target] = {}
+        self.grants: dict[tuple[str, int], _Grant] = {}
+        self.by_request: dict[str, set[_Grant]] = {}
+        self.ready: dict[str, int] = {}  # request -> layers ready (absent: all)
+        self.retired: OrderedDict[str, tuple[int, str]] = OrderedDict()  # request -> (generation, reason)
+        self.layers = 1 + max(layer for g in producer.cache.groups for layer in g.layers)
+        self.flush_until = 0.0
+        self._reaper: Reaper | None = None
+        self._mem: tuple[str, int] | None = None
+
+    @property
+    def reaper(self) -> Reaper:
+        if self._reaper is None:
+            self._reaper = Reaper(self.producer.backend)
+        return self._reaper
+
+    @property
+    def writing(self) -> bool:
+        """True while WRITEs are in flight (the poller spins then: their completion is the
+        decode rank's latency)."""
+        return any(g.pending for g in self.grants.values())
+
+    @property
+    def busy(self) -> bool:
+        """True while writes are in flight, handles wait for release or notices for the wire."""
+        return (
+            bool(self.grants)
+            or bool(self._reaper and len(self._reaper))
+            or time.monotonic() < self.flush_until
+        )
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def add_peer(self, hello: Hello) -> None:
+        """Load a pushing decode rank's agent (its Hello passed the MAC check). A decode rank
+        handshaking again replaces its old link; its grants end without an answer."""
+        backend = self.producer.backend
+        name = backend.add_remote(hello.agent_metadata)
+        if name != hello.agent_name:
+            backend.remove_remote(name)
+            raise ConfigError(
+                f"the decode rank's agent metadata names agent {name!r}, its Hello {hello.agent_name!r}"
+            )
+        old = self.targets.pop(name, None)
+        if old is not None:
+            self._forget(old)
+            backend.remove_remote(name)  # the reference the new load took replaces the old one
+        self.targets[name] = _Target(name, hello)
+        self.log.info("pushing decode rank connected", peer=hello.engine_id, decode_rank=hello.tp_rank)
+
+    def remove_peer(self, agent: str) -> None:
+        """A decode rank said goodbye: end its grants, forget its agent."""
+        target = self.targets.pop(agent, None)
+        if target is not None:
+            self._forget(target)
+            self.producer.backend.remove_remote(agent)
+
+    def _forget(self, target: _Target) -> None:
+        for grant in [g for g in self.grants.values() if g.target is target]:
+            self._end(grant, None)
+            self._drop(grant)
+        backend = self.producer.backend
+        for handle in target.lists.values():
+            backend.release_dlist(handle)
+        target.lists.clear()
+
+    # -- notices --------------------------------------------------------------------------
+
+    def on_notice(self, agent: str, notice: PushNotice, now: float) -> None:
+        """A push notice from a decode agent (bound to the decode rank that handshook with it)."""
+        target = self.targets.get(agent)
+        if target is None or (notice.engine_id, notice.decode_rank, notice.decode_tp) != target.identity:
+            self.metrics.inc("notifications_unbound")
+            return
+        if notice.kind == "announce":
+            self._announce(target, notice, now)
+        elif notice.kind == "stop":
+            self._stop(target, notice)
+        elif notice.kind == "bye":
+            self.remove_peer(agent)
+        else:
+            self.metrics.inc("notifications_invalid")
+
+    def _announce(self, target: _Target, notice: PushNotice, now: float) -> None:
+        key = (target.agent, notice.grant)
+        if key in self.grants or not notice.grant or not notice.request_id:
+            self.metrics.inc("notifications_invalid")  # a duplicate, or no grant at all
+            return
+        grant = _Grant(target, notice, now)
+        if sum(g.target is target for g in self.grants.values()) >= MAX_GRANTS:
+            self._reply(grant, "failed", "busy", f"{MAX_GRANTS} grants of this decode rank in flight")
+            return
+        self.grants[key] = grant
+        self.by_request.setdefault(notice.request_id, set()).add(grant)
+        self.metrics.inc("push_announcements")
+        self._start(grant)
+
+    def _stop(self, target: _Target, notice: PushNotice) -> None:
+        grant = self.grants.get((target.agent, notice.grant))
+        if grant is None:  # never announced here, or finished: nothing of it can land
+            self._send(target, "stopped", notice.request_id, notice.grant, notice.generation)
+            return
+        self._end(grant, self._notice(grant, "stopped"))
+
+    # -- exposures (from the producer) ------------------------------------------------------
+
+    def exposed(self, request_id: str, layers_ready: int | None) -> None:
+        """A request was exposed (``layers_ready`` of its layers computed; None: all)."""
+        self.retired.pop(request_id, None)
+        if layers_ready is None or layers_ready >= self.layers:
+            self.ready.pop(request_id, None)
+        else:
+            self.ready[request_id] = layers_ready
+        for grant in list(self.by_request.get(request_id, ())):
+            if grant.state == "waiting":
+                self._start(grant)
+
+    def layers_ready(self, request_id: str, n: int) -> None:
+        """``n`` layers of a request are computed: write what they hold."""
+        if request_id not in self.ready:  # every layer was ready already
+            return
+        if n >= self.layers:
+            del self.ready[request_id]
+        else:
+            self.ready[request_id] = max(n, self.ready[request_id])
+        for grant in list(self.by_request.get(request_id, ())):
+            if grant.state == "writing":
+                self._advance(grant)
+
+    def released(self, releases: list[Release]) -> None:
+        """Releases delivered: grants of a request released under them fail (once their writes
+        can no longer land: the bytes they read may be another request's now)."""
+        for rel in releases:
+            rid = rel.request_id
+            self.ready.pop(rid, None)
+            gen = next((g.generation for g in self.by_request.get(rid, ()) if g.generation), 0)
+            self.retired[rid] = (gen, rel.reason)
+            self.retired.move_to_end(rid)
+            while len(self.retired) > RETIRED:
+                self.retired.popitem(last=False)
+            for grant in list(self.by_request.get(rid, ())):
+                if grant.state == "writing":
+                    code = "expired" if rel.reason == "expired" else "released"
+                    self._end(
+                        grant, self._notice(grant, "failed", code, f"released ({rel.reason}) while writing")
+                    )
+
+    # -- writing --------------------------------------------------------------------------
+
+    def _start(self, grant: _Grant) -> None:
+        p = self.producer
+        n = grant.notice
+        rid = n.request_id
+        gen = p.ledger.generation(rid)
+        if gen is None:
+            retired = self.retired.get(rid)
+            if retired is not None:
+                code = "expired" if retired[1] == "expired" else "released"
+                self._fail_now(
+                    grant, code, f"request {rid!r} was released ({retired[1]}) before it was announced"
+                )
+            return  # not exposed yet: wait for expose() (or the decode rank's stop)
+        if n.generation and n.generation != gen:
+            self._fail_now(
+                grant, "reexposed", f"request {rid!r} is exposed as generation {gen}, not {n.generation}"
+            )
+            return
+        try:
+            plan = self._plan(grant.target)
+            prepared = plan.prepare(rid, n.local_ids, n.remote_ids, n.num_tokens or None)
+            exposed = p.ledger.exposed_ids(rid)
+            if exposed is None or not np.array_equal(prepared.remote_ids, exposed):
+                self._fail_now(grant, "outside", f"the announced blocks of {rid!r} are not its exposure here")
+                return
+            mine = [post for post in prepared.posts if post[0].remote_rank == p.tp_rank]
+            if not mine:
+                self._fail_now(
+                    grant, "config", f"prefill rank {p.tp_rank} writes nothing of {rid!r} to this rank"
+                )
+                return
+            op, li, ri = mine[0]
+            grant.local = self._list(
+                grant.target, ("l", op.remote_table), "", plan.tables[op.remote_table], self._mem_type()
+            )
+            grant.remote = self._list(
+                grant.target,
+                ("r", op.local_table),
+                grant.target.agent,
+                plan.tables[op.local_table],
+                grant.target.hello.mem_type,
+            )
+        except BlockIdError as exc:
+            self._fail_now(grant, "blocks", str(exc))
+            return
+        except AkvError as exc:
+            self._fail_now(grant, "config", str(exc))
+            return
+        rows = plan.tables[op.remote_table]
+        ends = np.cumsum(rows[:, 4])
+        grant.layers = plan.layers[op.remote_table][np.searchsorted(ends, ri, side="right")]
+        grant.ri, grant.li = ri, li
+        grant.sent = np.zeros(ri.size, dtype=bool)
+        grant.generation, grant.digest = gen, exposure.digest(exposed)
+        grant.state = "writing"
+        self._advance(grant)
+
+    def _advance(self, grant: _Grant) -> None:
+        """Post a WRITE of the descriptors whose layers are ready and not written yet."""
+        if grant.state != "writing" or grant.sent is None or grant.layers is None:
+            return
+        if grant.ri is None or grant.li is None:  # pragma: no cover - set together when started
+            return
+        ready = self.ready.get(grant.notice.request_id, self.layers)
+        mask = ~grant.sent & (grant.layers < ready)
+        if not mask.any():
+            return
+        try:
+            handle = self.producer.backend.write(
+                grant.local, grant.ri[mask], grant.remote, grant.li[mask], b""
+            )
+        except TransferError as exc:
+            self._end(grant, self._notice(grant, "failed", "transfer", str(exc)))
+            return
+        grant.sent |= mask
+        grant.pending.add(handle)
+        self.metrics.inc("push_writes")
+
+    def poll(self, now: float) -> bool:
+        """Progress every grant; True if anything changed."""
+        changed = False
+        backend = self.producer.backend
+        for grant in list(self.grants.values()):
+            for handle in list(grant.pending):
+                try:
+                    done = backend.state(handle) == "DONE"
+                except TransferError as exc:
+                    self._end(grant, self._notice(grant, "failed", "transfer", str(exc)))
+                    changed = True
+                    break
+                if done:
+                    grant.pending.discard(handle)
+                    self.reaper.drop(handle)
+                    changed = True
+            if grant.state == "writing" and not grant.pending and grant.sent is not None and grant.sent.all():
+                self._complete(grant, now)
+                changed = True
+            elif grant.state == "ending" and not grant.pending and not grant.reaping:
+                if grant.answer is not None:
+                    self._send_notice(grant.target, grant.answer)
+                self._drop(grant)
+                changed = True
+            elif grant.state == "waiting" and now - grant.received > self.producer.lease_s:
+                self._fail_now(
+                    grant, "not_exposed", f"request {grant.notice.request_id!r} was not exposed in time"
+                )
+                changed = True
+        if self._reaper is not None and len(self._reaper):
+            self._reaper.retry()
+        return changed
+
+    def _complete(self, grant: _Grant, now: float) -> None:
+        p = self.producer
+        rid = grant.notice.request_id
+        gen = p.ledger.generation(rid)
+        if gen != grant.generation:  # released (or re-exposed) under the writes: not to be trusted
+            self._end(grant, self._notice(grant, "failed", "released", f"{rid!r} was released while writing"))
+            return
+        self._send_notice(grant.target, self._notice(grant, "pushed"))
+        self._drop(grant)
+        self.metrics.inc("pushes")
+        engine, rank, tp = grant.target.identity
+        done = Notice("done", engine, rank, tp, [rid], [grant.digest], [grant.generation])
+        self.deliver(p.ledger.on_notice(done, now, pushed=True))
+
+    def _end(self, grant: _Grant, answer: PushNotice | None) -> None:
+        """Stop a grant: post nothing more; hand its writes to the reaper; ``answer`` goes out
+        once none of them can land any more (None: no answer)."""
+        if grant.state in ("ending", "done"):
+            return
+        grant.state = "ending"
+        grant.answer = answer
+        for handle in list(grant.pending):
+            grant.pending.discard(handle)
+            grant.reaping += 1
+
+            def then(grant: _Grant = grant) -> None:
+                grant.reaping -= 1
+
+            self.reaper.drop(handle, then)
+
+    def _fail_now(self, grant: _Grant, code: str, message: str) -> None:
+        """Fail a grant that posted nothing."""
+        self._end(grant, self._notice(grant, "failed", code, message))
+
+    def _drop(self, grant: _Grant) -> None:
+        grant.state = "done"
+        self.grants.pop(grant.key, None)
+        peers = self.by_request.get(grant.notice.request_id)
+        if peers is not None:
+            peers.discard(grant)
+            if not peers:
+                del self.by_request[grant.notice.request_id]
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _mem_type(self) -> str:
+        if self._mem is None:
+            self._mem = mem_type(self.producer.kv_caches)
+        return self._mem[0]
+
+    def _plan(self, target: _Target) -> TransferPlan:
+        """The decode rank's own plan of its reads from this engine (built once per target)."""
+        if target.plan is None:
+            p, h = self.producer, target.hello
+            mine = tuple(t.data_ptr() for t in p.kv_caches)
+            dev = self._mem[1] if self._mem else mem_type(p.kv_caches)[1]
+            ranks = h.spec.notify_ranks(h.tp_rank, h.tp_size, p.tp_size)
+            # Only this rank's rows are ever used: the others get this rank's addresses.
+            remote = {r: RankMemory(r, p.tp_size, mine, dev) for r in ranks}
+            local = RankMemory(h.tp_rank, h.tp_size, tuple(h.region_addrs), h.device_id)
+            target.plan = TransferPlan(local_spec=h.spec, local=local, remote_spec=p.cache, remote=remote)
+        return target.plan
+
+    def _list(
+        self, target: _Target, key: tuple[str, Any], agent: str, table: npt.NDArray[np.int64], mem: str
+    ) -> DlistHandle:
+        handle = target.lists.get(key)
+        if handle is None:
+            handle = target.lists[key] = self.producer.backend.prep(agent, table, mem)
+        return handle
+
+    def _notice(self, grant: _Grant, kind: Any, code: str = "", message: str = "") -> PushNotice:
+        n = grant.notice
+        return PushNotice(
+            kind=kind,
+            engine_id=n.engine_id,
+            decode_rank=n.decode_rank,
+            decode_tp=n.decode_tp,
+            request_id=n.request_id,
+            grant=n.grant,
+            generation=n.generation,
+            prefill_rank=self.producer.tp_rank,
+            code=code,
+            message=message[:1024],
+        )
+
+    def _reply(self, grant: _Grant, kind: str, code: str, message: str) -> None:
+        self._send_notice(grant.target, self._notice(grant, kind, code, message))
+
+    def _send(self, target: _Target, kind: Any, request_id: str, grant: int, generation: int) -> None:
+        engine, rank, tp = target.identity
+        notice = PushNotice(
+            kind=kind,
+            engine_id=engine,
+            decode_rank=rank,
+            decode_tp=tp,
+            request_id=request_id,
+            grant=grant,
+            generation=generation,
+            prefill_rank=self.producer.tp_rank,
+        )
+        self._send_notice(target, notice)
+
+    def _send_notice(self, target: _Target, notice: PushNotice) -> None:
+        try:
+            self.producer.backend.notify(target.agent, encode_push(notice))
+        except AkvError as exc:  # the decode rank is gone: forget it (its pulls time out there)
+            self.log.warning("a push notice could not be sent", kind=notice.kind, error=str(exc))
+            if isinstance(exc, PeerLostError) and target.agent in self.targets:
+                self.remove_peer(target.agent)
+            return
+        if notice.kind == "failed":
+            self.metrics.inc("push_failures")
+        self.flush_until = time.monotonic() + FLUSH_S
+
+    def close(self) -> None:
+        """End every grant (the producer is closing; its agent goes with it)."""
+        for target in list(self.targets.values()):
+            self._forget(target)
+        if self._reaper is not None:
+            self._reaper.retry()
