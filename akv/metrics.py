@@ -34,6 +34,10 @@ COUNTERS: tuple[str, ...] = (
     "releases_dropped",
     "lease_extensions",
     "unsafe_reads",
+    "packed",
+    "pack_fallbacks",
+    "transfers_packed",
+    "packed_fallbacks",
 )
 
 

@@ -30,6 +30,10 @@ from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
 from akv.runtime.paths import Failed, Pending
+from akv.geometry.layout import rank_layout
+from akv.packing import DIR_WORDS, CacheViews
+from akv.runtime.packer import check_transfer
+from akv.runtime.paths.packed import AUTO_DESCRIPTORS, StagingPool
 from akv.runtime.paths.read import CheckPool
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
@@ -88,6 +92,17 @@ class Consumer(RankBase):
             parallel (0: none, NIXL's default; see docs/gpu.md).
         spin_s: how long the poller spins after progress before sleeping.
         poll_max_s: longest sleep of the poller while pulls are in flight.
+        transfer: which copy of a request to read: ``"direct"`` (the paged blocks), ``"packed"``
+            (the prefill ranks' packed copies, see docs/concepts.md#packed-transfers; an
+            [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``transfer`` at
+            connect if a prefill rank keeps none) or ``"auto"`` (packed where every rank read
+            from packs and the direct read would post more than ``pack_threshold``
+            descriptors, or a rank released its blocks after packing).
+        pack_staging_bytes: the registered staging area packed reads land in (a pull that
+            finds it full reads directly, or fails with
+            [`BackPressureError`][akv.errors.BackPressureError] when it cannot).
+        pack_threshold: ``transfer="auto"``'s descriptor count (default: measured, see
+            docs/performance.md#packed-transfers).
     """
 
     _role = "d"
@@ -115,6 +130,9 @@ class Consumer(RankBase):
         spin_s: float = 0.002,
         poll_max_s: float = 0.002,
         nixl_threads: int = 0,
+        transfer: str = "auto",
+        pack_staging_bytes: int = 64 << 20,
+        pack_threshold: int = AUTO_DESCRIPTORS,
     ) -> None:
         super().__init__(
             kv_caches,
@@ -148,6 +166,18 @@ class Consumer(RankBase):
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
         self.checks = CheckPool(max_checks)
+        self.transfer = check_transfer(transfer)
+        if pack_threshold < 0:
+            raise ConfigError(f"pack_threshold must be >= 0, got {pack_threshold}")
+        self.pack_threshold = pack_threshold
+        if pack_staging_bytes < 256:
+            raise ConfigError(f"pack_staging_bytes must be >= 256, got {pack_staging_bytes}")
+        self.pack_staging_bytes = pack_staging_bytes
+        self.staging: StagingPool | None = None  # set up with the first prefill rank that packs
+        self.directories: CheckPool | None = None
+        self.pack_views = CacheViews(self.kv_caches, rank_layout(self.cache, tp_rank, tp_size))
+        self._max_checks = max_checks
+        self._packing = anyio.Lock()
         self.log = self._log
         self._sessions: dict[str, TransferSession] = {}
         self._connecting: dict[str, anyio.Event] = {}
@@ -164,6 +194,20 @@ class Consumer(RankBase):
             await anyio.to_thread.run_sync(backend.register_host, self.checks.array)
             self.checks.dlist = await anyio.to_thread.run_sync(backend.prep, "", self.checks.table(), "DRAM")
         tg.start_soon(self._poll)
+
+    async def enable_packing(self) -> None:
+        """Allocate and register the staging area of packed reads (once; the first session
+        to a prefill engine that packs calls this)."""
+        async with self._packing:
+            if self.staging is not None or self.transfer == "direct":
+                return
+            staging = StagingPool(self.pack_staging_bytes, self.kv_caches[0])
+            directories = CheckPool(self._max_checks, DIR_WORDS)
+            backend = self.backend
+            await anyio.to_thread.run_sync(backend.register, [staging.tensor])
+            await anyio.to_thread.run_sync(backend.register_host, directories.array)
+            directories.dlist = await anyio.to_thread.run_sync(backend.prep, "", directories.table(), "DRAM")
+            self.staging, self.directories = staging, directories
 
     def _teardown(self) -> None:
         backend = self.backend_or_none

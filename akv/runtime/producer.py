@@ -40,6 +40,7 @@ from akv.protocol.address import Endpoint, check_engine_id, parse_endpoint
 from akv.protocol.messages import Notice, RankInfo, Register, decode_notice
 from akv.runtime import local
 from akv.runtime.control import ControlServer, register_rank
+from akv.runtime.packer import Packer, check_transfer, fragmented
 from akv.runtime.rank import RankBase, default_engine_id
 
 if TYPE_CHECKING:
@@ -99,6 +100,16 @@ class Producer(RankBase):
             parallel (0: none, NIXL's default; see docs/gpu.md).
         poll_max_s: longest sleep of the notification poller while requests are pending.
         spin_s: how long the poller spins after progress before sleeping.
+        transfer: ``"direct"`` (default): decode ranks read the paged blocks; ``"packed"``:
+            each exposure is also copied, at ``expose()``, into a slot of a registered pool in
+            request-major order, so a decode rank reads it with one descriptor per component
+            (see docs/concepts.md#packed-transfers); ``"auto"``: pack only when one unit of
+            one block is more than one contiguous run on this rank's layout. A request that
+            finds the pool full is not packed: it is read directly (``pack_fallbacks``).
+        pack_pool_bytes: the staging pool's size, allocated on the caches' device.
+        release_after_pack: hand a packed request's blocks back at once (a
+            [`Release`][akv.Release] with reason ``"packed"``); its packed copy then carries
+            the lease, and only packed reads of it succeed.
     """
 
     _role = "p"
@@ -128,6 +139,9 @@ class Producer(RankBase):
         poll_max_s: float = 0.002,
         spin_s: float = 0.002,
         nixl_threads: int = 0,
+        transfer: str = "direct",
+        pack_pool_bytes: int = 256 << 20,
+        release_after_pack: bool = False,
     ) -> None:
         if etcd is not None and engine_id is None:
             raise ConfigError("registering in etcd needs an explicit engine_id, the same on every rank")
@@ -181,11 +195,30 @@ class Producer(RankBase):
         self._idle: anyio.Event | None = None
         self._inbox: deque[tuple[str, bytes]] = deque()  # notices from decode ranks of this process
         self._loop_thread = 0
+        self.transfer = check_transfer(transfer)
+        self.release_after_pack = bool(release_after_pack)
+        self.packer: Packer | None = None
+        if self.transfer == "packed" or (
+            self.transfer == "auto" and fragmented(self.cache, tp_rank, tp_size)
+        ):
+            self.packer = Packer(
+                self.kv_caches,
+                self.cache,
+                tp_rank,
+                tp_size,
+                pack_pool_bytes,
+                self.ledger.table.buckets,
+                self.release_after_pack,
+            )
+        self._early: set[str] = set()  # released to the engine after packing, still exposed
 
     # -- lifetime -----------------------------------------------------------------------
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         await anyio.to_thread.run_sync(self.backend.register_host, self.ledger.table.array)
+        if self.packer is not None:
+            await anyio.to_thread.run_sync(self.backend.register, [self.packer.pool])
+            await anyio.to_thread.run_sync(self.backend.register_host, self.packer.directory.array)
         hosted = next(iter(self.server.ranks.values()), None)
         if hosted is not None and not self._named:
             self.engine_id = hosted.engine_id  # ranks sharing a server are one engine
@@ -290,6 +323,7 @@ class Producer(RankBase):
                 exposure_addr=int(table.array.ctypes.data),
                 exposure_buckets=table.buckets,
                 process=local.PROCESS_TOKEN,
+                pack=self.packer.info(mem, dev) if self.packer is not None else None,
             )
         return self._info
 
@@ -344,10 +378,36 @@ class Producer(RankBase):
         """
         if not self.running:
             raise ClosedError("the producer is not running")
-        ids = self.cache.flatten(self.cache.per_group(block_ids, f"request {request_id!r}"))
+        per_group = self.cache.per_group(block_ids, f"request {request_id!r}")
+        ids = self.cache.flatten(per_group)
         generation = self.ledger.expose(request_id, ids, time.monotonic(), lease, generation)
+        if self.packer is not None:
+            self._pack(request_id, per_group, ids, generation)
         self._backoff.wake()
         return generation
+
+    def _pack(
+        self, request_id: str, per_group: Sequence[npt.NDArray[np.int32]], ids: npt.NDArray[np.int32], generation: int
+    ) -> None:
+        """Pack an exposed request (fall back to direct reads when the pool is full); with
+        ``release_after_pack``, hand its blocks back now."""
+        packer = self.packer
+        assert packer is not None
+        try:
+            packed = packer.pack(request_id, per_group, generation)
+        except BaseException:
+            self._deliver([r for r in [self.ledger.release(request_id, "closed")] if r is not None])
+            raise
+        if not packed:
+            self.metrics.inc("pack_fallbacks")
+            self._log.info("pack pool full: the request is read directly", request=request_id)
+            return
+        self.metrics.inc("packed")
+        if self.release_after_pack:
+            self.ledger.table.mark_packed(request_id)  # before the blocks go back: direct reads now fail
+            self._early.add(request_id)
+            groups = self.cache.split(ids) if len(self.cache.groups) > 1 else None
+            self._deliver([Release(request_id, ids, "packed", 0, None, groups)], pack=False)
 
     def extend(self, request_id: str, seconds: float | None = None) -> None:
         """Push the lease deadline of ``request_id`` to now + ``seconds`` (default: its lease)."""
@@ -379,7 +439,18 @@ class Producer(RankBase):
                 self._idle = anyio.Event()
             await self._idle.wait()
 
-    def _deliver(self, releases: list[Release]) -> None:
+    def _deliver(self, releases: list[Release], pack: bool = True) -> None:
+        settled = bool(releases)
+        if pack and self.packer is not None:  # the exposure is retired: free its slot (once)
+            kept = []
+            for release in releases:
+                self.packer.drop(release.request_id)
+                if release.request_id in self._early:  # its blocks went back after packing
+                    self._early.discard(release.request_id)
+                    self.metrics.inc(f"pack_released_{release.reason}")
+                    continue
+                kept.append(release)
+            releases = kept
         for release in releases:
             if release.reason != "read":
                 self._log.info(
@@ -396,7 +467,7 @@ class Producer(RankBase):
                     self._log.exception("on_release callback failed", request=release.request_id)
             for stream in list(self._streams):
                 self._send(stream, release)
-        if releases and not len(self.ledger) and self._idle is not None:
+        if settled and not len(self.ledger) and self._idle is not None:
             self._idle.set()
 
     def _send(self, stream: MemoryObjectSendStream[Release], release: Release) -> None:

@@ -35,7 +35,7 @@ from akv.errors import (
     TransferTimeout,
     UnsafeReadError,
 )
-from akv.geometry.cache import CacheSpec
+from akv.geometry.cache import CacheSpec, as_cache
 from akv.plan import Prepared, RankMemory, TransferPlan
 from akv.protocol.address import (
     BootstrapAddress,
@@ -50,6 +50,7 @@ from akv.protocol.messages import Challenge, Hello, Notice, RankInfo, encode_not
 from akv.runtime import local
 from akv.runtime.local import LocalRank
 from akv.runtime.paths import Failed, PathName, PathOp
+from akv.runtime.paths import packed
 from akv.runtime.paths.copy import CopyPlan
 from akv.runtime.paths.read import NixlRead, RankCheck, ReadPost
 from akv.runtime.rank import _leaves
@@ -200,10 +201,11 @@ class Transfer:
             return
         if error is None:
             p = self.prepared
+            descriptors = getattr(self.op, "descriptors", None)  # a packed read's own count
             self._result = TransferResult(
                 self.request_id,
                 p.bytes,
-                p.descriptors,
+                p.descriptors if descriptors is None else descriptors,
                 len(p.posts),
                 time.monotonic() - self.state.started,
                 self.op.path,
@@ -232,6 +234,7 @@ class RankLink:
     broken: bool = False
     loading: anyio.Event | None = None
     dropped: bool = False  # its reference to the remote agent was given back
+    directory: RankCheck | None = None  # its packed-copy directory, prepared (akv.packing)
 
 
 class TransferSession:
@@ -465,6 +468,8 @@ class TransferSession:
                     "same_process='copy' needs every one here (use 'auto' to copy only when they are)",
                     ("same_process",),
                 )
+        if c.transfer == "packed" and (plain := sorted(r for r, i in infos.items() if i.pack is None)):
+            raise packed.error_for(plain, ch.engine_id)
         if c.verify_exposure:
             missing = sorted(r for r, i in infos.items() if not i.exposure_buckets)
             if missing:
@@ -473,6 +478,8 @@ class TransferSession:
                     "engines (or pass verify_exposure=False to trust it blindly)",
                     ("exposure",),
                 )
+        if c.transfer != "direct" and any(i.pack is not None for i in infos.values()):
+            await c.enable_packing()
         for r in infos:  # a rank linked before (lost, or restarted): forget its old agent first
             link = self.links.get(r)
             if link is not None:
@@ -535,6 +542,8 @@ class TransferSession:
                         dtype=np.int64,
                     )
                     link.check = RankCheck(backend.prep(link.agent, table, "DRAM"), info.exposure_buckets)
+                if info.pack is not None and self.consumer.staging is not None:
+                    link.directory = packed.directory_check(backend, link.agent, info.pack)
         except BaseException:
             for link in out.values():
                 self._drop(link)
@@ -564,10 +573,13 @@ class TransferSession:
         if backend is not None:
             if link.check is not None:
                 backend.release_dlist(link.check.dlist)
+            if link.directory is not None:
+                backend.release_dlist(link.directory.dlist)
             if not link.dropped:  # one reference per link: the agent may serve other sessions
                 backend.remove_remote(link.agent)
         link.dropped = True
         link.check = None
+        link.directory = None
         link.local = None
         link.broken = True
         if self.copier is not None:
@@ -735,6 +747,10 @@ class TransferSession:
         """Start a prepared request on its path; returns the op and the ranks to notify once done."""
         c = self.consumer
         copier = self._copier_for(prepared)
+        packs = {r: link.info.pack if link.directory is not None else None for r, link in self.links.items()}
+        if c.staging is not None and packed.use_packed(c.transfer, prepared, packs, c.pack_threshold):
+            if copier is None or c.transfer == "packed" or any(p and p.early for p in packs.values()):
+                return self._launch_packed(prepared, request_id, notice, generation)
         if copier is not None:
             launched = copier.launch(
                 prepared, request_id, plan.notify, check=c.verify_exposure, generation=generation
@@ -767,6 +783,67 @@ class TransferSession:
             c.metrics.inc("transfers_failed")
             raise failed.error
         return read, prepared.standalone
+
+    def _direct(self, prepared: Prepared, request_id: str, notice: bytes, generation: int) -> NixlRead:
+        """The read path's op for a prepared request (not started)."""
+        c = self.consumer
+        posts = [
+            ReadPost(op.remote_rank, self.dlists[op.local_table], li, self.dlists[op.remote_table], ri)
+            for op, li, ri in prepared.posts
+        ]
+        checks = {post.rank: self.links[post.rank].check for post in posts} if c.verify_exposure else None
+        return NixlRead(
+            c.backend,
+            c.reaper,
+            posts,
+            request_id=request_id,
+            remote_ids=prepared.remote_ids,
+            read_ids=prepared.read_ids,
+            notice=notice,
+            checks=checks,
+            pool=c.checks if c.verify_exposure else None,
+            generation=generation,
+        )
+
+    def _launch_packed(
+        self, prepared: Prepared, request_id: str, notice: bytes, generation: int
+    ) -> tuple[PathOp, tuple[int, ...]]:
+        """Start a prepared request on the packed path (see `akv.runtime.paths.packed`)."""
+        c = self.consumer
+        if c.staging is None or c.directories is None or self.remote_spec is None:
+            raise ClosedError("the consumer keeps no staging area for packed reads")
+        ranks = {op.remote_rank for op, _, _ in prepared.posts}
+        links = {
+            r: packed.PackedLink(r, link.agent, link.info.pack, link.directory)
+            for r, link in self.links.items()
+            if r in ranks and link.info.pack is not None and link.directory is not None
+        }
+        early = any(link.pack.early for link in links.values())
+        op = packed.PackedRead(
+            c.backend,
+            c.reaper,
+            request_id=request_id,
+            prepared=prepared,
+            generation=generation,
+            notice=notice,
+            links=links,
+            checks={r: self.links[r].check for r in ranks} if c.verify_exposure else None,
+            check_pool=c.checks if c.verify_exposure else None,
+            dir_pool=c.directories,
+            staging=c.staging,
+            views=c.pack_views,
+            local_spec=c.cache,
+            remote_spec=as_cache(self.remote_spec),
+            prefill_tp=self.prefill_tp,
+            direct=None if early else self._direct(prepared, request_id, notice, generation),
+        )
+        failed = op.start()
+        if failed is not None:
+            self.mark_broken(failed.error, failed.rank)
+            c.reap()
+            c.metrics.inc("transfers_failed")
+            raise failed.error
+        return op, prepared.standalone
 
     def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32], generation: int = 0) -> bytes:
         """The "done" notice of a request, with the digest of its prefill block ids (and the
