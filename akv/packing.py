@@ -93,7 +93,9 @@ def sections(cache: CacheSpec, rank: int, tp_size: int, counts: Sequence[int]) -
             continue
         tokens = m * g.block_size if g.tokens else m
         for ci, c in enumerate(g.components):
-            s = Section(gi, ci, offset, c.held(rank, tp_size), tokens, len(g.layers), c.unit_elems * g.element_size)
+            s = Section(
+                gi, ci, offset, c.held(rank, tp_size), tokens, len(g.layers), c.unit_elems * g.element_size
+            )
             out.append(s)
             offset = _align(offset + s.nbytes)
     return out, offset
@@ -142,8 +144,8 @@ class CacheViews:
             p.unit,
             p.token,
             p.run,
-            *(t.storage_offset() * t.element_size() for t in tensors),
-            *(t.numel() * t.element_size() for t in tensors),
+            *(int(t.storage_offset()) * t.element_size() for t in tensors),
+            *(int(t.numel()) * t.element_size() for t in tensors),
         )
         dtype = _dtype(w)
         shared = len(set(p.regions)) == 1 and (nl == 1 or p.layer != 0)

@@ -15,7 +15,7 @@ import pytest
 import akv
 from akv.geometry.cache import as_cache
 from akv.testing import fill_request, local_counts, make_requests, verify_request
-from tests.conftest import make_spec, wait_for
+from tests.conftest import wait_for
 from tests.test_paths import PAIRS
 
 pytestmark = pytest.mark.anyio

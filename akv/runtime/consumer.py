@@ -25,14 +25,14 @@ from akv.errors import (
     UnsafeReadError,
 )
 from akv.geometry.cache import CacheSpec
+from akv.geometry.layout import rank_layout
 from akv.geometry.spec import KVSpec
+from akv.packing import DIR_WORDS, CacheViews
 from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
-from akv.runtime.paths import Failed, Pending
-from akv.geometry.layout import rank_layout
-from akv.packing import DIR_WORDS, CacheViews
 from akv.runtime.packer import check_transfer
+from akv.runtime.paths import Failed, Pending
 from akv.runtime.paths.packed import AUTO_DESCRIPTORS, StagingPool
 from akv.runtime.paths.read import CheckPool
 from akv.runtime.rank import RankBase, default_engine_id

@@ -9,6 +9,7 @@ when its exposure is released (read, lease expiry, close), after the exposure wa
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -32,9 +33,10 @@ TRANSFERS: tuple[Transfer, ...] = ("auto", "direct", "packed")
 
 def check_transfer(transfer: str) -> Transfer:
     """A valid ``transfer`` option, or ConfigError."""
-    if transfer not in TRANSFERS:
-        raise ConfigError(f"transfer must be 'auto', 'direct' or 'packed', got {transfer!r}")
-    return transfer  # type: ignore[return-value]
+    for known in TRANSFERS:
+        if transfer == known:
+            return known
+    raise ConfigError(f"transfer must be 'auto', 'direct' or 'packed', got {transfer!r}")
 
 
 def fragmented(cache: CacheSpec, rank: int, tp_size: int) -> bool:
@@ -50,9 +52,7 @@ def fragmented(cache: CacheSpec, rank: int, tp_size: int) -> bool:
                 for t in range(bs):
                     atoms.append((region, p.offset + i * p.layer + t * p.token, p.run))
         atoms.sort()
-        runs = 1 + sum(
-            1 for a, b in zip(atoms, atoms[1:]) if a[0] != b[0] or a[1] + a[2] != b[1]
-        )
+        runs = 1 + sum(1 for a, b in itertools.pairwise(atoms) if a[0] != b[0] or a[1] + a[2] != b[1])
         if runs > 1:
             return True
     return False
@@ -62,7 +62,14 @@ class Packer:
     """One prefill rank's packing: pool, directory, views of the paged cache."""
 
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], cache: CacheSpec, rank: int, tp_size: int, pool_bytes: int, buckets: int, early: bool
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        cache: CacheSpec,
+        rank: int,
+        tp_size: int,
+        pool_bytes: int,
+        buckets: int,
+        early: bool,
     ) -> None:
         import torch
 

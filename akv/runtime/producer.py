@@ -387,7 +387,11 @@ class Producer(RankBase):
         return generation
 
     def _pack(
-        self, request_id: str, per_group: Sequence[npt.NDArray[np.int32]], ids: npt.NDArray[np.int32], generation: int
+        self,
+        request_id: str,
+        per_group: Sequence[npt.NDArray[np.int32]],
+        ids: npt.NDArray[np.int32],
+        generation: int,
     ) -> None:
         """Pack an exposed request (fall back to direct reads when the pool is full); with
         ``release_after_pack``, hand its blocks back now."""

@@ -49,8 +49,7 @@ from akv.protocol.handshake import HandshakeResult
 from akv.protocol.messages import Challenge, Hello, Notice, RankInfo, encode_notice
 from akv.runtime import local
 from akv.runtime.local import LocalRank
-from akv.runtime.paths import Failed, PathName, PathOp
-from akv.runtime.paths import packed
+from akv.runtime.paths import Failed, PathName, PathOp, packed
 from akv.runtime.paths.copy import CopyPlan
 from akv.runtime.paths.read import NixlRead, RankCheck, ReadPost
 from akv.runtime.rank import _leaves
@@ -748,9 +747,12 @@ class TransferSession:
         c = self.consumer
         copier = self._copier_for(prepared)
         packs = {r: link.info.pack if link.directory is not None else None for r, link in self.links.items()}
-        if c.staging is not None and packed.use_packed(c.transfer, prepared, packs, c.pack_threshold):
-            if copier is None or c.transfer == "packed" or any(p and p.early for p in packs.values()):
-                return self._launch_packed(prepared, request_id, notice, generation)
+        if (
+            c.staging is not None
+            and packed.use_packed(c.transfer, prepared, packs, c.pack_threshold)
+            and (copier is None or c.transfer == "packed" or any(p and p.early for p in packs.values()))
+        ):
+            return self._launch_packed(prepared, request_id, notice, generation)
         if copier is not None:
             launched = copier.launch(
                 prepared, request_id, plan.notify, check=c.verify_exposure, generation=generation
@@ -759,23 +761,7 @@ class TransferSession:
                 c.metrics.inc("transfers_failed")
                 raise launched.error
             return launched, plan.notify
-        posts = [
-            ReadPost(op.remote_rank, self.dlists[op.local_table], li, self.dlists[op.remote_table], ri)
-            for op, li, ri in prepared.posts
-        ]
-        checks = {post.rank: self.links[post.rank].check for post in posts} if c.verify_exposure else None
-        read = NixlRead(
-            c.backend,
-            c.reaper,
-            posts,
-            request_id=request_id,
-            remote_ids=prepared.remote_ids,
-            read_ids=prepared.read_ids,
-            notice=notice,
-            checks=checks,
-            pool=c.checks if c.verify_exposure else None,
-            generation=generation,
-        )
+        read = self._direct(prepared, request_id, notice, generation)
         failed = read.start()
         if failed is not None:
             self.mark_broken(failed.error, failed.rank)

@@ -74,7 +74,13 @@ def unsafe(
     for rank, bucket in buckets:
         gen = generation if isinstance(generation, int) else generation.get(rank, 0)
         error = exposure.verify(
-            bucket, request_id, remote_ids, prefill_rank=rank, read_ids=read_ids, generation=gen, packed=packed
+            bucket,
+            request_id,
+            remote_ids,
+            prefill_rank=rank,
+            read_ids=read_ids,
+            generation=gen,
+            packed=packed,
         )
         if error is not None:
             return error

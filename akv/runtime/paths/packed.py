@@ -94,7 +94,9 @@ class DescPost:
 
     def post(self, backend: Backend, notice: bytes) -> XferHandle:
         """Post the READ."""
-        return backend.read_descs(self.agent, self.local, self.local_mem, self.remote, self.remote_mem, notice)
+        return backend.read_descs(
+            self.agent, self.local, self.local_mem, self.remote, self.remote_mem, notice
+        )
 
 
 def directory_check(backend: Backend, agent: str, pack: PackInfo) -> RankCheck:
@@ -316,7 +318,9 @@ class PackedRead:
         )
         return self.read.start()
 
-    def _plan(self, entries: Mapping[int, tuple[int, int, int]]) -> dict[int, tuple[list[list[int]], list[list[int]]]]:
+    def _plan(
+        self, entries: Mapping[int, tuple[int, int, int]]
+    ) -> dict[int, tuple[list[list[int]], list[list[int]]]]:
         """Items of the pull and, per prefill rank, its rows: local ``(offset in the staging
         range, len, device)`` and remote ``(addr, len, device)``."""
         lc, rc, p = self.local_spec, self.remote_spec, self.prepared
@@ -358,12 +362,27 @@ class PackedRead:
             per_token = sec.layers * sec.run
             nbytes = units * tokens * per_token
             item = _Item(
-                gi, ci, read.remote_rank, read.local_units, read.remote_units, ch.offset, tokens, at, nbytes, blocks, positions
+                gi,
+                ci,
+                read.remote_rank,
+                read.local_units,
+                read.remote_units,
+                ch.offset,
+                tokens,
+                at,
+                nbytes,
+                blocks,
+                positions,
             )
             self._items.append(item)
             slot_off = entries[read.remote_rank][1]
             pack = self.links[read.remote_rank].pack
-            start = pack.pool_addr + slot_off + sec.offset + (read.remote_units.start - sec.units.start) * sec.unit_bytes
+            start = (
+                pack.pool_addr
+                + slot_off
+                + sec.offset
+                + (read.remote_units.start - sec.units.start) * sec.unit_bytes
+            )
             if ch.offset + tokens > sec.tokens:
                 raise TransferError(f"request {self.request_id!r}: tokens read lie outside the packed copy")
             local, remote = rows[read.remote_rank]
@@ -373,7 +392,13 @@ class PackedRead:
             else:
                 for k in range(units):
                     local.append([at + k * tokens * per_token, tokens * per_token, self.staging.device_id])
-                    remote.append([start + k * sec.unit_bytes + ch.offset * per_token, tokens * per_token, pack.device_id])
+                    remote.append(
+                        [
+                            start + k * sec.unit_bytes + ch.offset * per_token,
+                            tokens * per_token,
+                            pack.device_id,
+                        ]
+                    )
             at += -(-nbytes // 256) * 256
         return rows
 
@@ -385,10 +410,20 @@ class PackedRead:
 
             assert self._staged is not None
             for item in self._items:
-                staged = self.staging.tensor[self._staged + item.offset : self._staged + item.offset + item.nbytes]
-                scatter(self.views, item.group, item.component, item.local_units, staged, item.blocks, item.positions)
+                staged = self.staging.tensor[
+                    self._staged + item.offset : self._staged + item.offset + item.nbytes
+                ]
+                scatter(
+                    self.views,
+                    item.group,
+                    item.component,
+                    item.local_units,
+                    staged,
+                    item.blocks,
+                    item.positions,
+                )
             if self.staging.tensor.is_cuda:
-                torch.cuda.current_stream(self.staging.tensor.device).synchronize()  # type: ignore[no-untyped-call]
+                torch.cuda.current_stream(self.staging.tensor.device).synchronize()
         except (RuntimeError, ValueError, IndexError, AssertionError) as exc:
             self._free_staging()
             return Failed(TransferError(f"scattering request {self.request_id!r} failed: {exc}"))
