@@ -13,9 +13,12 @@ import anyio
 import pytest
 
 import akv
+from akv.backends import XferHandle, XferState
+from akv.backends.nixl import NixlBackend
 from akv.geometry.cache import as_cache
+from akv.runtime.paths.packed import AUTO_DESCRIPTORS
 from akv.testing import fill_request, local_counts, make_requests, verify_request
-from tests.conftest import wait_for
+from tests.conftest import make_spec, wait_for
 from tests.test_paths import PAIRS
 
 pytestmark = pytest.mark.anyio
@@ -130,3 +133,158 @@ async def test_packed_pulls_are_bit_exact(pspec: Any, dspec: Any, p: int, d: int
     assert {r.path for r in packed} == {"packed"} and {r.path for r in direct} == {"read"}
     assert [r.bytes for r in packed] == [r.bytes for r in direct]
     assert {why for _, why in engine.releases} == {"read"} and set(engine.releases.values()) == {p}
+
+
+class SlowPackedReads(NixlBackend):
+    """The real backend; packed-copy reads report "PROC" until ``go`` is set."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.go = anyio.Event()
+        self.held: set[XferHandle] = set()
+
+    def read_descs(self, *args: Any) -> XferHandle:
+        handle = super().read_descs(*args)
+        self.held.add(handle)
+        return handle
+
+    def state(self, handle: XferHandle) -> XferState:
+        done = super().state(handle)
+        return "PROC" if handle in self.held and not self.go.is_set() else done
+
+
+def consumer_for(spec: Any, mode: str, **kw: Any) -> akv.Consumer:
+    """A one-rank decode engine reading through NIXL with ``transfer=mode``."""
+    return akv.Consumer(
+        akv.allocate_kv_cache(spec, 0, 1),
+        spec,
+        tp_rank=0,
+        tp_size=1,
+        same_process="nixl",
+        transfer=mode,
+        **kw,
+    )
+
+
+#: Bytes of a packed copy of a 3-block request of make_spec(kv_heads=4) on one rank: k and v,
+#: 4 heads x 12 tokens x 2 layers x 16 bytes.
+SLOT = 2 * 4 * 12 * 2 * 16
+
+NHD = make_spec(kv_heads=8, layers=4, block_size=16, head_dim=16, layout="NHD", num_blocks=32)
+
+
+async def test_head_sliced_nhd_reads_far_fewer_descriptors() -> None:
+    """Cross-TP on a head-sliced NHD cache, a packed pull posts at least 20x fewer descriptors
+    than a direct one; auto reads packed exactly where the direct read exceeds the threshold."""
+    packed, _ = await pull_all(NHD, NHD, 1, 2, "packed", transfer="packed")
+    direct, _ = await pull_all(NHD, NHD, 1, 2, "direct", transfer="packed")
+    auto, _ = await pull_all(NHD, NHD, 1, 2, "auto", transfer="packed")
+    full = [(a, b) for a, b in zip(packed, direct, strict=True) if b.bytes == max(r.bytes for r in direct)]
+    assert full and all(a.descriptors * 20 <= b.descriptors for a, b in full)
+    assert [r.path for r in auto] == [
+        "packed" if b.descriptors > AUTO_DESCRIPTORS else "read" for b in direct
+    ]
+    assert "packed" in {r.path for r in auto}
+
+
+async def test_auto_reads_directly_below_the_threshold() -> None:
+    """With a descriptor threshold above the pull's count, auto reads the paged blocks directly."""
+    spec = make_spec(kv_heads=4, layout="head-major")
+    reqs = make_requests(spec, 1, 3, seed=3)
+    async with (
+        prefill_engine(spec, 1, transfer="packed") as engine,
+        consumer_for(spec, "auto", pack_threshold=10_000) as consumer,
+    ):
+        expose_all(engine, spec, reqs)
+        session = await consumer.connect(engine.endpoint)
+        result = await (await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids))
+        assert result.path == "read"
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], reqs[0].seed)
+
+
+async def test_a_full_pool_falls_back_to_direct_reads_and_frees_slots() -> None:
+    """A request that finds the prefill pool full is read directly (counted), bit-exact; its
+    slot-holding neighbour's slot is freed once with its release, so the pool serves again;
+    a full decode staging area also falls back to direct reads."""
+    spec = make_spec(kv_heads=4)
+    reqs = make_requests(spec, 3, 3, seed=5)
+    async with prefill_engine(spec, 1, transfer="packed", pack_pool_bytes=SLOT) as engine:
+        expose_all(engine, spec, reqs[:2])
+        producer = engine.producers[0]
+        assert producer.metrics.counters["packed"] == 1 and producer.metrics.counters["pack_fallbacks"] == 1
+        async with consumer_for(spec, "packed") as consumer:
+            session = await consumer.connect(engine.endpoint)
+            paths = []
+            for n, req in enumerate(reqs[:2]):
+                local = [3 * n, 3 * n + 1, 3 * n + 2]
+                paths.append((await (await session.pull(req.request_id, local, req.block_ids))).path)
+                assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed)
+            assert paths == ["packed", "read"]
+        await wait_for(lambda: len(engine.releases) == 2)
+        expose_all(engine, spec, reqs[2:])
+        assert producer.metrics.counters["packed"] == 2  # the freed slot took the next request
+        async with consumer_for(spec, "packed", pack_staging_bytes=256) as consumer:
+            session = await consumer.connect(engine.endpoint)
+            result = await (await session.pull(reqs[2].request_id, [0, 1, 2], reqs[2].block_ids))
+            assert result.path == "read"
+            assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], reqs[2].seed)
+
+
+async def test_a_lease_expiring_mid_read_of_a_packed_copy_fails_the_pull() -> None:
+    """A packed copy whose lease runs out while it is being read fails the pull with
+    LeaseExpiredError, never a success; its slot and its staging range go back to their pools."""
+    spec = make_spec(kv_heads=4)
+    reqs = make_requests(spec, 2, 3, seed=9)
+    backend = SlowPackedReads(f"slow-{id(reqs)}")
+    async with (
+        prefill_engine(spec, 1, transfer="packed", pack_pool_bytes=SLOT) as engine,
+        consumer_for(spec, "packed", backend=backend, pack_staging_bytes=SLOT) as consumer,
+    ):
+        session = await consumer.connect(engine.endpoint)
+        producer = engine.producers[0]
+        req = reqs[0]
+        fill_request(producer.kv_caches, spec, 0, 1, req.block_ids, req.seed)
+        producer.expose(req.request_id, req.block_ids, lease=0.3)
+        transfer = await session.pull(req.request_id, [0, 1, 2], req.block_ids)
+        await wait_for(lambda: (req.request_id, "expired") in engine.releases)
+        backend.go.set()
+        with pytest.raises(akv.LeaseExpiredError):
+            await transfer
+        expose_all(engine, spec, reqs[1:])
+        result = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
+        assert result.path == "packed" and consumer.metrics.counters["unsafe_reads"] == 1
+
+
+async def test_release_after_pack_hands_blocks_back_before_the_read() -> None:
+    """With release_after_pack, the blocks are released (reason "packed") at expose, before
+    any read; the engine may reuse them, yet a packed pull is bit-exact, a direct one fails
+    typed, and no second release follows the reads."""
+    spec = make_spec(kv_heads=4)
+    reqs = make_requests(spec, 2, 3, seed=13)
+    async with prefill_engine(spec, 2, transfer="packed", release_after_pack=True) as engine:
+        expose_all(engine, spec, reqs)
+        assert engine.releases == Counter({(r.request_id, "packed"): 2 for r in reqs})
+        for prod in engine.producers:  # the engine reuses the blocks for other requests
+            for req in reqs:
+                fill_request(prod.kv_caches, spec, prod.tp_rank, 2, req.block_ids, req.seed + 1)
+        async with consumer_for(spec, "direct") as consumer:
+            session = await consumer.connect(engine.endpoint)
+            with pytest.raises(akv.errors.ReleasedError, match="packed"):
+                await (await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids))
+        async with consumer_for(spec, "auto") as consumer:
+            session = await consumer.connect(engine.endpoint)
+            result = await (await session.pull(reqs[1].request_id, [0, 1, 2], reqs[1].block_ids))
+            assert result.path == "packed"
+            assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], reqs[1].seed)
+        await wait_for(lambda: all(not p.pending for p in engine.producers))
+        assert engine.releases == Counter({(r.request_id, "packed"): 2 for r in reqs})
+
+
+async def test_packed_from_an_engine_that_does_not_pack_is_a_typed_error() -> None:
+    """transfer='packed' against prefill ranks keeping no packed copies fails at connect with
+    IncompatiblePeerError naming the option."""
+    spec = make_spec(kv_heads=4)
+    async with prefill_engine(spec, 1) as engine, consumer_for(spec, "packed") as consumer:
+        with pytest.raises(akv.IncompatiblePeerError, match="transfer") as info:
+            await consumer.connect(engine.endpoint)
+        assert info.value.fields == ("transfer",)
