@@ -149,6 +149,7 @@ async def run_decode(
                     engine_id=engine_id,
                     secret=a.secret,
                     transfer_timeout=a.transfer_timeout,
+                    transfer=a.transfer,
                 )
             )
             for d in mine

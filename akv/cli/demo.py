@@ -21,6 +21,7 @@ from akv.cli.args import (
     check,
     check_model,
     check_seconds,
+    check_transfer_flags,
     described_by,
     device_of,
     emit,
@@ -42,6 +43,7 @@ def validate(a: argparse.Namespace) -> None:
     """Every flag of ``akv demo``, before starting anything; sizes ``--blocks`` if not given."""
     check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
     check_model(a, "--prefill-tp", "--decode-tp")
+    check_transfer_flags(a)
     a.devices = {side: device_of(a, side) for side in ("prefill", "decode")}
     for flag, value in (
         ("--prefill-block-size", a.prefill_block_size),
@@ -155,6 +157,10 @@ async def _run_demo(
         "--json",
         "--device",
         str(a.devices["prefill"]),
+        "--transfer",
+        a.transfer,
+        "--pack-pool-mib",
+        str(a.pack_pool_mib),
         *prefill_model,
         *prefill_extra,
         *with_parent,
@@ -189,6 +195,8 @@ async def _run_demo(
                 str(a.concurrency),
                 "--device",
                 str(a.devices["decode"]),
+                "--transfer",
+                a.transfer,
                 *decode_model,
                 *with_parent,
             ]

@@ -23,6 +23,7 @@ from akv.cli.args import (
     add_common,
     add_device_flag,
     add_model_flags,
+    add_transfer_flags,
     first_leaf,
     usage_error,
 )
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common(p)
     add_device_flag(p)
+    add_transfer_flags(p, "prefill", "direct")
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser(
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common(p)
     add_device_flag(p)
+    add_transfer_flags(p, "decode", "auto")
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser(
@@ -276,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
     add_common(p)
     add_device_flag(p, "prefill", "decode")
+    add_transfer_flags(p, "demo", "direct")
     p.set_defaults(func=cmd_demo)
 
     add_engines_parser(sub)

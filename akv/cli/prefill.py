@@ -26,6 +26,7 @@ from akv.cli.args import (
     check_model,
     check_port,
     check_seconds,
+    check_transfer_flags,
     device_of,
     emit,
     rank_device,
@@ -56,6 +57,7 @@ def validate(a: argparse.Namespace) -> None:
     check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
     check_model(a, "--tp-size")
     device_of(a)  # checked before any I/O
+    check_transfer_flags(a)
     size_pool(a)
     check_port(a.port)
     check_seconds(a.lease, "--lease")
@@ -153,6 +155,8 @@ async def run_prefill(
         etcd=a.etcd,
         etcd_ttl=a.etcd_ttl,
         max_exposed=max(16384, 2 * len(requests)),
+        transfer=a.transfer,
+        pack_pool_bytes=a.pack_pool_mib << 20,
     )
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
