@@ -210,6 +210,16 @@ def scatter(
     src = staged.view(_dtype(w)).view(len(local_units), len(blocks), nl, p.run // w)
     u0 = local_units.start - p.units.start
     device = staged.device
+    bs = gl.group.block_size if gl.group.tokens else 1
+    whole = len(blocks) % bs == 0 and np.array_equal(positions, np.tile(np.arange(bs), len(blocks) // bs))
+    if whole:  # whole blocks: one index copy along the block axis per span
+        bi = _index(blocks[::bs], device)
+        for l0, lk, view in spans:
+            values = (
+                src[:, :, l0 : l0 + lk].permute(1, 2, 0, 3).reshape(len(bi), bs, lk, len(local_units), -1)
+            )
+            view[:, :, :, u0 : u0 + len(local_units)].index_copy_(0, bi, values)
+        return
     bi, pi = _index(blocks, device), _index(positions, device)
     for l0, lk, view in spans:
         target = view[:, :, :, u0 : u0 + len(local_units)]
