@@ -16,7 +16,6 @@ import akv
 from akv.backends import XferHandle, XferState
 from akv.backends.nixl import NixlBackend
 from akv.geometry.cache import as_cache
-from akv.runtime.paths.packed import AUTO_DESCRIPTORS
 from akv.testing import fill_request, local_counts, make_requests, verify_request
 from tests.conftest import make_spec, wait_for
 from tests.test_paths import PAIRS
@@ -85,7 +84,14 @@ def local_ids(dspec: Any, req: Any, n: int, hit: int) -> Any:
 
 
 async def pull_all(
-    pspec: Any, dspec: Any, p: int, d: int, mode: str, requests: int = 2, **kw: Any
+    pspec: Any,
+    dspec: Any,
+    p: int,
+    d: int,
+    mode: str,
+    requests: int = 2,
+    consumer_kw: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> tuple[list[akv.TransferResult], Prefill]:
     """Pull ``requests`` requests on each of ``d`` decode ranks (the second after a one-block
     prefix hit) with ``transfer=mode``; verify every byte."""
@@ -102,6 +108,7 @@ async def pull_all(
                     tp_size=d,
                     same_process="nixl",
                     transfer=mode,
+                    **(consumer_kw or {}),
                 )
             )
             session = await consumer.connect(engine.endpoint)
@@ -178,12 +185,10 @@ async def test_head_sliced_nhd_reads_far_fewer_descriptors() -> None:
     than a direct one; auto reads packed exactly where the direct read exceeds the threshold."""
     packed, _ = await pull_all(NHD, NHD, 1, 2, "packed", transfer="packed")
     direct, _ = await pull_all(NHD, NHD, 1, 2, "direct", transfer="packed")
-    auto, _ = await pull_all(NHD, NHD, 1, 2, "auto", transfer="packed")
+    auto, _ = await pull_all(NHD, NHD, 1, 2, "auto", consumer_kw={"pack_threshold": 300}, transfer="packed")
     full = [(a, b) for a, b in zip(packed, direct, strict=True) if b.bytes == max(r.bytes for r in direct)]
     assert full and all(a.descriptors * 20 <= b.descriptors for a, b in full)
-    assert [r.path for r in auto] == [
-        "packed" if b.descriptors > AUTO_DESCRIPTORS else "read" for b in direct
-    ]
+    assert [r.path for r in auto] == ["packed" if b.descriptors > 300 else "read" for b in direct]
     assert "packed" in {r.path for r in auto}
 
 

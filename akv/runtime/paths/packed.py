@@ -42,11 +42,22 @@ if TYPE_CHECKING:
 
     from akv.plan import Prepared
 
-__all__ = ["AUTO_DESCRIPTORS", "DescPost", "PackedLink", "PackedRead", "StagingPool", "use_packed"]
+__all__ = [
+    "AUTO_DESCRIPTORS",
+    "AUTO_RUN_BYTES",
+    "DescPost",
+    "PackedLink",
+    "PackedRead",
+    "StagingPool",
+    "use_packed",
+]
 
-#: ``transfer="auto"``: a pull whose direct read would post more descriptors than this reads
-#: the packed copy instead (docs/performance.md#packed-transfers says how it was measured).
-AUTO_DESCRIPTORS = 256
+#: ``transfer="auto"``: a pull whose direct read would post more descriptors than this, of
+#: fewer than `AUTO_RUN_BYTES` bytes on average, reads the packed copy instead (measured with
+#: scripts/packed_threshold.py on DRAM: docs/performance.md#packed-transfers).
+AUTO_DESCRIPTORS = 2048
+#: ... and the mean run below which descriptors cost more than the packed copy's scatter.
+AUTO_RUN_BYTES = 2048
 
 #: Bytes of one directory bucket.
 DIR_BUCKET_BYTES = exposure.SLOTS * DIR_WORDS * 8
@@ -113,7 +124,7 @@ def use_packed(
     """Whether a prepared pull reads packed copies: always for ``"packed"``, never for
     ``"direct"``; ``"auto"``: when every rank read from packs and either one of them released
     its blocks after packing or the direct read would post more than ``threshold``
-    descriptors."""
+    descriptors of fewer than `AUTO_RUN_BYTES` bytes on average."""
     ranks = {op.remote_rank for op, _, _ in prepared.posts}
     if not ranks or transfer == "direct":
         return False
@@ -122,7 +133,10 @@ def use_packed(
     infos = [packs.get(r) for r in ranks]
     if any(i is None for i in infos):
         return False
-    return any(i.early for i in infos if i is not None) or prepared.descriptors > threshold
+    if any(i.early for i in infos if i is not None):
+        return True
+    small = prepared.bytes < AUTO_RUN_BYTES * prepared.descriptors
+    return small and prepared.descriptors > threshold
 
 
 @dataclass(frozen=True, slots=True)
