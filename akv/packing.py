@@ -4,13 +4,15 @@ the torch gathers and scatters between a paged cache and a packed copy.
 A prefill rank that packs copies an exposed request's bytes, at ``expose()``, into one
 *slot* of a registered pool, in request-major order::
 
-    [group][component][unit][token][layer][run bytes]
+    [group][component][unit][layer][token][run bytes]
 
 (``unit``: the component's units this rank holds; ``token``: every token of the exposed
 blocks, in sequence order; a state group has one "token", its slot). Each component's
 *section* starts on an `ALIGN` boundary. Any unit range of a component is then one
-contiguous run of the section for every decode TP size, and after a partial prefix hit
-(decode reads a suffix of the tokens) one run per unit.
+contiguous run of the section for every decode TP size; after a partial prefix hit (decode
+reads a suffix of the tokens) one run per unit and layer. Tokens innermost keep a block's
+tokens of one unit and layer together, as per-layer HND caches and head-major ones hold
+them: the gathers and scatters then copy whole token runs.
 
 The *directory* is a small registered array, bucketed like the exposure table
 (`akv.exposure`), telling a reader where a request's slot is: ``(token, generation, offset,
@@ -56,7 +58,7 @@ DIR_WORDS = 4
 
 @dataclass(frozen=True, slots=True)
 class Section:
-    """One component of one group in a packed copy: ``[units][tokens][layers][run]`` bytes
+    """One component of one group in a packed copy: ``[units][layers][tokens][run]`` bytes
     from ``offset`` (relative to the slot's start)."""
 
     group: int
@@ -183,12 +185,11 @@ def gather(views: CacheViews, section: Section, block_ids: npt.NDArray[np.int32]
     g = views.layout.groups[section.group].group
     bs = g.block_size if g.tokens else 1
     out = slot[section.offset : section.offset + section.nbytes].view(_dtype(w))
-    out = out.view(len(section.units), section.tokens, section.layers, section.run // w)
+    units, m = len(section.units), len(block_ids)
+    out = out.view(units, section.layers, m, bs, section.run // w)
     idx = _index(block_ids, out.device)
-    for l0, lk, view in spans:
-        picked = view.index_select(0, idx)  # [m, bs, lk, U, r]
-        picked = picked.reshape(len(block_ids) * bs, lk, len(section.units), section.run // w)
-        out[:, :, l0 : l0 + lk].copy_(picked.permute(2, 0, 1, 3))
+    for l0, lk, view in spans:  # [m, bs, lk, U, r] gathered, written unit-major
+        out[:, l0 : l0 + lk].permute(2, 3, 1, 0, 4).copy_(view.index_select(0, idx))
 
 
 def scatter(
@@ -200,14 +201,15 @@ def scatter(
     blocks: npt.NDArray[np.int64],
     positions: npt.NDArray[np.int64],
 ) -> None:
-    """Write ``staged`` (uint8 bytes ``[units][tokens][layers][run]``) into the paged cache:
+    """Write ``staged`` (uint8 bytes ``[units][layers][tokens][run]``) into the paged cache:
     token ``k`` goes to block ``blocks[k]``, position ``positions[k]``; ``local_units`` are
     global units this rank holds."""
     w, spans = views.get(gi, ci)
     gl = views.layout.groups[gi]
     p = gl.placements[ci]
     nl = len(gl.group.layers)
-    src = staged.view(_dtype(w)).view(len(local_units), len(blocks), nl, p.run // w)
+    units, rw = len(local_units), p.run // w
+    src = staged.view(_dtype(w)).view(units, nl, len(blocks), rw)
     u0 = local_units.start - p.units.start
     device = staged.device
     bs = gl.group.block_size if gl.group.tokens else 1
@@ -215,15 +217,13 @@ def scatter(
     if whole:  # whole blocks: one index copy along the block axis per span
         bi = _index(blocks[::bs], device)
         for l0, lk, view in spans:
-            values = (
-                src[:, :, l0 : l0 + lk].permute(1, 2, 0, 3).reshape(len(bi), bs, lk, len(local_units), -1)
-            )
-            view[:, :, :, u0 : u0 + len(local_units)].index_copy_(0, bi, values)
+            values = src[:, l0 : l0 + lk].reshape(units, lk, len(bi), bs, rw).permute(2, 3, 1, 0, 4)
+            view[:, :, :, u0 : u0 + units].index_copy_(0, bi, values)
         return
     bi, pi = _index(blocks, device), _index(positions, device)
     for l0, lk, view in spans:
-        target = view[:, :, :, u0 : u0 + len(local_units)]
-        target.index_put_((bi, pi), src[:, :, l0 : l0 + lk].permute(1, 2, 0, 3))
+        target = view[:, :, :, u0 : u0 + units]
+        target.index_put_((bi, pi), src[:, l0 : l0 + lk].permute(2, 1, 0, 3))
 
 
 class Arena:

@@ -9,8 +9,8 @@ Stages of one pull:
    ``"read"``), as does a full local staging pool (unless a rank already released the
    paged blocks after packing: then `BackPressureError`).
 2. ``reading``: one READ per prefill rank into the staging area: per (group, component)
-   one descriptor for the unit range this rank needs, or one per unit after a partial prefix
-   hit; then the exposure check of the read path (`NixlRead`, the "done" notice riding on
+   one descriptor for the unit range this rank needs, or one per unit and layer after a
+   partial prefix hit; then the exposure check of the read path (`NixlRead`, the "done" notice riding on
    it), bound to the generation the directory named: the slot is freed only after its
    exposure was retired, so a passing check proves the bytes read were this request's.
 3. ``scattering``: torch writes the staged bytes into the paged cache, whatever its layout
@@ -373,8 +373,7 @@ class PackedRead:
             blocks = np.repeat(ch.local.astype(np.int64), g)
             positions = np.repeat(pos0, g) + np.tile(np.arange(g, dtype=np.int64), ch.size)
             units = len(read.remote_units)
-            per_token = sec.layers * sec.run
-            nbytes = units * tokens * per_token
+            nbytes = units * tokens * sec.layers * sec.run
             item = _Item(
                 gi,
                 ci,
@@ -403,16 +402,18 @@ class PackedRead:
             if ch.offset == 0 and tokens == sec.tokens:
                 local.append([at, nbytes, self.staging.device_id])
                 remote.append([start, nbytes, pack.device_id])
-            else:
+            else:  # a suffix of the tokens: one run per unit and layer
+                run, layer = tokens * sec.run, sec.tokens * sec.run
                 for k in range(units):
-                    local.append([at + k * tokens * per_token, tokens * per_token, self.staging.device_id])
-                    remote.append(
-                        [
-                            start + k * sec.unit_bytes + ch.offset * per_token,
-                            tokens * per_token,
-                            pack.device_id,
-                        ]
-                    )
+                    for i in range(sec.layers):
+                        local.append([at + (k * sec.layers + i) * run, run, self.staging.device_id])
+                        remote.append(
+                            [
+                                start + k * sec.unit_bytes + i * layer + ch.offset * sec.run,
+                                run,
+                                pack.device_id,
+                            ]
+                        )
             at += -(-nbytes // 256) * 256
         return rows
 
