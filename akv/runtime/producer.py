@@ -396,15 +396,18 @@ class Producer(RankBase):
         """Pack an exposed request (fall back to direct reads when the pool is full); with
         ``release_after_pack``, hand its blocks back now."""
         packer = self.packer
-        assert packer is not None
+        if packer is None:  # pragma: no cover - expose() packs only with a packer
+            return
         try:
             packed = packer.pack(request_id, per_group, generation)
-        except BaseException:
-            self._deliver([r for r in [self.ledger.release(request_id, "closed")] if r is not None])
-            raise
+        except Exception as exc:  # e.g. out of device memory: this request is read directly
+            self._log.warning(
+                "packing failed: the request is read directly", request=request_id, error=str(exc)
+            )
+            packed = False
         if not packed:
             self.metrics.inc("pack_fallbacks")
-            self._log.info("pack pool full: the request is read directly", request=request_id)
+            self._log.info("no packed copy (pool full): the request is read directly", request=request_id)
             return
         self.metrics.inc("packed")
         if self.release_after_pack:

@@ -215,7 +215,7 @@ class PackedRead:
         """The prefill ranks read from (those of the direct read after a fallback)."""
         if self.fallback is not None:
             return self.fallback.ranks
-        return self._ranks if (self.read is None or self.read.ranks) else frozenset()
+        return self._ranks
 
     # -- stages ---------------------------------------------------------------------------
 
@@ -439,7 +439,7 @@ class PackedRead:
                 )
             if self.staging.tensor.is_cuda:
                 torch.cuda.current_stream(self.staging.tensor.device).synchronize()
-        except (RuntimeError, ValueError, IndexError, AssertionError) as exc:
+        except (RuntimeError, ValueError, IndexError) as exc:
             self._free_staging()
             return Failed(TransferError(f"scattering request {self.request_id!r} failed: {exc}"))
         self.scatter_s = time.perf_counter() - started
