@@ -106,11 +106,13 @@ class TransferResult(msgspec.Struct, frozen=True):
         request_id: the request.
         bytes: data bytes moved into this rank's cache.
         descriptors: byte runs moved: descriptors submitted to NIXL on the read path, runs
-            copied on the copy path (the same count for the same request).
+            copied on the copy path (the same count for the same request), descriptors of the
+            packed copies read on the packed path.
         reads: prefill ranks read from (one read, or one copy, each).
         seconds: wall time from launch to completion.
         path: how the bytes moved: ``"copy"`` (torch, the prefill ranks live in this
-            process) or ``"read"`` (NIXL READs).
+            process), ``"read"`` (NIXL READs) or ``"packed"`` (NIXL READs of the prefill
+            ranks' packed copies, then a torch scatter).
     """
 
     request_id: str
@@ -164,7 +166,7 @@ class Transfer:
 
     @property
     def path(self) -> PathName:
-        """The transfer path moving its bytes: ``"copy"`` or ``"read"``."""
+        """The transfer path moving its bytes: ``"copy"``, ``"read"`` or ``"packed"``."""
         return self.op.path
 
     def done(self) -> bool:
