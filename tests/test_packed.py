@@ -3,6 +3,9 @@ staged copy with a few descriptors and scatter it, through real NIXL agents on D
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -293,3 +296,33 @@ async def test_packed_from_an_engine_that_does_not_pack_is_a_typed_error() -> No
         with pytest.raises(akv.IncompatiblePeerError, match="transfer") as info:
             await consumer.connect(engine.endpoint)
         assert info.value.fields == ("transfer",)
+
+
+def test_demo_with_packed_transfers_says_packed() -> None:
+    """`akv demo --transfer packed` pulls every request packed across processes and TP sizes
+    (its JSON `paths` says so); a zero staging pool is one line and exit 64."""
+    small = [
+        "--kv-heads",
+        "4",
+        "--layers",
+        "2",
+        "--block-size",
+        "4",
+        "--head-dim",
+        "16",
+        "--dtype",
+        "float16",
+    ]
+    run = [sys.executable, "-m", "akv", "demo", "--prefill-tp", "2", "--decode-tp", "1", *small]
+    proc = subprocess.run(
+        [*run, "--requests", "3", "--transfer", "packed", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["paths"] == {"packed": 3} and summary["verified"] == summary["released"] == 3
+    bad = subprocess.run([*run, "--pack-pool-mib", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 64
+    assert bad.stderr.strip().splitlines() == ["akv demo: --pack-pool-mib must be >= 1, got 0"]
