@@ -1156,7 +1156,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument(
         "--only",
         metavar="NAMES",
-        default="",
+        default=None,
         help="only these workloads (comma-separated names), without the same-process, poller and "
         "table figures",
     )
@@ -1179,7 +1179,7 @@ def add_bench_parser(sub: Any) -> None:
             count = len(preset_workloads(_config_name(a.hf_config), a.hf_config)[0])
         else:
             count = len(WORKLOADS) if not a.preset else len(preset_workloads(a.preset)[0])
-        only = tuple(n for n in a.only.split(",") if n)
+        only = tuple(n for n in (a.only or "").split(",") if n)
         if only:
             known = {w.name for w in WORKLOADS} if not (a.preset or a.hf_config) else set()
             unknown = sorted(set(only) - known) if known else []
