@@ -19,6 +19,7 @@ import akv
 from akv.backends import XferHandle, XferState
 from akv.backends.nixl import NixlBackend
 from akv.geometry.cache import as_cache
+from akv.runtime.paths.packed import WORKER_BYTES
 from akv.testing import fill_request, local_counts, make_requests, verify_request
 from tests.conftest import make_spec, wait_for
 from tests.test_paths import PAIRS
@@ -326,3 +327,20 @@ def test_demo_with_packed_transfers_says_packed() -> None:
     bad = subprocess.run([*run, "--pack-pool-mib", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 64
     assert bad.stderr.strip().splitlines() == ["akv demo: --pack-pool-mib must be >= 1, got 0"]
+
+
+async def test_a_large_packed_pull_scatters_off_the_event_loop_bit_exact() -> None:
+    """A packed pull of more than WORKER_BYTES (scattered in the staging pool's worker thread)
+    fills the cache bit-exact, after a partial prefix hit too."""
+    spec = make_spec(kv_heads=8, head_dim=128, layers=4, block_size=16, num_blocks=80, layout="NHD")
+    reqs = make_requests(spec, 2, 36, seed=17)
+    async with prefill_engine(spec, 1, transfer="packed") as engine, consumer_for(spec, "packed") as consumer:
+        expose_all(engine, spec, reqs)
+        session = await consumer.connect(engine.endpoint)
+        for n, (req, hit) in enumerate(zip(reqs, (0, 4), strict=True)):
+            local = list(range(40 * n, 40 * n + 36 - hit))
+            result = await (
+                await session.pull(req.request_id, local, req.block_ids, num_tokens=req.num_tokens)
+            )
+            assert result.path == "packed" and result.bytes > WORKER_BYTES
+            assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed, num_tokens=req.num_tokens)

@@ -228,6 +228,8 @@ class Consumer(RankBase):
                 self.fail(transfer, ClosedError("the session was closed"))
             session._unload()
         self._sessions.clear()
+        if self.staging is not None:
+            self.staging.close()
 
     async def aclose(self) -> None:
         """Fail running transfers with [`ClosedError`][akv.errors.ClosedError], release everything. Idempotent."""

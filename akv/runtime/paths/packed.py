@@ -20,8 +20,10 @@ Stages of one pull:
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +61,9 @@ AUTO_DESCRIPTORS = 1024
 #: ... and the mean run below which descriptors cost more than the packed copy's scatter.
 AUTO_RUN_BYTES = 2048
 
+#: DRAM pulls of at least this many bytes are scattered in the staging pool's worker thread.
+WORKER_BYTES = 4 << 20
+
 #: Bytes of one directory bucket.
 DIR_BUCKET_BYTES = exposure.SLOTS * DIR_WORDS * 8
 
@@ -75,11 +80,24 @@ class StagingPool:
         self.tensor = torch.empty(self.arena.size, dtype=torch.uint8, device=like.device)
         self.mem_type = "VRAM" if like.is_cuda else "DRAM"
         self.device_id = int(like.device.index or 0) if like.is_cuda else 0
+        self._worker: ThreadPoolExecutor | None = None
 
     @property
     def addr(self) -> int:
         """Address of the staging area's first byte."""
         return int(self.tensor.data_ptr())
+
+    def worker(self) -> ThreadPoolExecutor:
+        """The thread that scatters large DRAM pulls (torch releases the GIL meanwhile)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="akv-scatter")
+        return self._worker
+
+    def close(self) -> None:
+        """Stop the worker once its scatters are done."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +227,7 @@ class PackedRead:
         self._staged: int | None = None  # offset of the pull's staging range
         self._landed = False
         self._aborted = False
+        self._job: concurrent.futures.Future[float] | None = None  # a scatter in the worker
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -418,33 +437,45 @@ class PackedRead:
         return rows
 
     def _scatter(self) -> Outcome:
-        """Write the verified staged bytes into the paged cache; free the staging range."""
-        started = time.perf_counter()
-        try:
-            import torch
+        """Write the verified staged bytes into the paged cache (DRAM pulls of at least
+        `WORKER_BYTES` in the staging pool's worker thread, so the poller runs on); free the
+        staging range once done."""
+        if self._job is None:
+            base = self._staged
+            if base is None:  # pragma: no cover - the reads were posted into a staging range
+                return Failed(TransferError(f"request {self.request_id!r} has no staging range"))
+            total = sum(item.nbytes for item in self._items)
+            if self.staging.tensor.is_cuda or total < WORKER_BYTES:
+                return self._scattered(self._scatter_all, base)
+            self._job = self.staging.worker().submit(self._scatter_all, base)
+        if not self._job.done():
+            return Pending()
+        job, self._job = self._job, None
+        return self._scattered(job.result)
 
-            assert self._staged is not None
-            for item in self._items:
-                staged = self.staging.tensor[
-                    self._staged + item.offset : self._staged + item.offset + item.nbytes
-                ]
-                scatter(
-                    self.views,
-                    item.group,
-                    item.component,
-                    item.local_units,
-                    staged,
-                    item.blocks,
-                    item.positions,
-                )
-            if self.staging.tensor.is_cuda:
-                torch.cuda.current_stream(self.staging.tensor.device).synchronize()
+    def _scattered(self, run: Callable[..., float], *args: Any) -> Outcome:
+        """The outcome of the scatter ``run(*args)`` (seconds it took, or an error)."""
+        try:
+            self.scatter_s = run(*args)
         except (RuntimeError, ValueError, IndexError) as exc:
             self._free_staging()
             return Failed(TransferError(f"scattering request {self.request_id!r} failed: {exc}"))
-        self.scatter_s = time.perf_counter() - started
         self._free_staging()
         return None
+
+    def _scatter_all(self, base: int) -> float:
+        """Scatter every item staged from ``base``; returns the seconds it took."""
+        import torch
+
+        started = time.perf_counter()
+        for item in self._items:
+            staged = self.staging.tensor[base + item.offset : base + item.offset + item.nbytes]
+            scatter(
+                self.views, item.group, item.component, item.local_units, staged, item.blocks, item.positions
+            )
+        if self.staging.tensor.is_cuda:
+            torch.cuda.current_stream(self.staging.tensor.device).synchronize()
+        return time.perf_counter() - started
 
     # -- fallback and cleanup ---------------------------------------------------------------
 
@@ -474,6 +505,9 @@ class PackedRead:
     def abort(self) -> None:
         """Release every handle; directory and staging ranges go back once nothing can land in them."""
         self._aborted = True
+        if self._job is not None:  # a scatter in flight: none writes after this returns
+            concurrent.futures.wait([self._job])
+            self._job = None
         for handle, rank in list(self._lookups.items()):
             slot = self._dir_slots.pop(rank, None)
             then: Any = None
