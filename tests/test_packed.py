@@ -332,7 +332,7 @@ def test_demo_with_packed_transfers_says_packed() -> None:
 async def test_a_large_packed_pull_scatters_off_the_event_loop_bit_exact() -> None:
     """A packed pull of more than WORKER_BYTES (scattered in the staging pool's worker thread)
     fills the cache bit-exact, after a partial prefix hit too."""
-    spec = make_spec(kv_heads=8, head_dim=128, layers=4, block_size=16, num_blocks=80, layout="NHD")
+    spec = make_spec(kv_heads=8, head_dim=128, layers=16, block_size=16, num_blocks=80, layout="NHD")
     reqs = make_requests(spec, 2, 36, seed=17)
     async with prefill_engine(spec, 1, transfer="packed") as engine, consumer_for(spec, "packed") as consumer:
         expose_all(engine, spec, reqs)
@@ -342,5 +342,5 @@ async def test_a_large_packed_pull_scatters_off_the_event_loop_bit_exact() -> No
             result = await (
                 await session.pull(req.request_id, local, req.block_ids, num_tokens=req.num_tokens)
             )
-            assert result.path == "packed" and result.bytes > WORKER_BYTES
+            assert result.path == "packed" and result.bytes >= WORKER_BYTES
             assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed, num_tokens=req.num_tokens)

@@ -62,7 +62,7 @@ AUTO_DESCRIPTORS = 1024
 AUTO_RUN_BYTES = 2048
 
 #: DRAM pulls of at least this many bytes are scattered in the staging pool's worker thread.
-WORKER_BYTES = 4 << 20
+WORKER_BYTES = 32 << 20
 
 #: Bytes of one directory bucket.
 DIR_BUCKET_BYTES = exposure.SLOTS * DIR_WORDS * 8
