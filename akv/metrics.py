@@ -36,8 +36,6 @@ COUNTERS: tuple[str, ...] = (
     "unsafe_reads",
     "packed",
     "pack_fallbacks",
-    "transfers_packed",
-    "packed_fallbacks",
 )
 
 

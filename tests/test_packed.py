@@ -344,3 +344,25 @@ async def test_a_large_packed_pull_scatters_off_the_event_loop_bit_exact() -> No
             )
             assert result.path == "packed" and result.bytes >= WORKER_BYTES
             assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed, num_tokens=req.num_tokens)
+
+
+async def test_a_timed_out_packed_pull_frees_its_staging_once() -> None:
+    """A packed pull that times out mid-read fails with TransferTimeout; its staging range goes
+    back only once NIXL released the read, and the next pull gets it."""
+    spec = make_spec(kv_heads=4)
+    reqs = make_requests(spec, 2, 3, seed=19)
+    backend = SlowPackedReads(f"stuck-{id(reqs)}")
+    async with (
+        prefill_engine(spec, 1, transfer="packed") as engine,
+        consumer_for(
+            spec, "packed", backend=backend, pack_staging_bytes=SLOT, transfer_timeout=0.3
+        ) as consumer,
+    ):
+        expose_all(engine, spec, reqs)
+        session = await consumer.connect(engine.endpoint)
+        with pytest.raises(akv.TransferTimeout):
+            await (await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids))
+        backend.go.set()
+        result = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
+        assert result.path == "packed"
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [3, 4, 5], reqs[1].seed)

@@ -25,13 +25,13 @@ from akv.protocol.messages import PackInfo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TRANSFERS", "Packer", "Transfer", "fragmented"]
+__all__ = ["TRANSFERS", "Packer", "TransferMode", "check_transfer", "fragmented"]
 
-Transfer = Literal["auto", "direct", "packed"]
-TRANSFERS: tuple[Transfer, ...] = ("auto", "direct", "packed")
+TransferMode = Literal["auto", "direct", "packed"]
+TRANSFERS: tuple[TransferMode, ...] = ("auto", "direct", "packed")
 
 
-def check_transfer(transfer: str) -> Transfer:
+def check_transfer(transfer: str) -> TransferMode:
     """A valid ``transfer`` option, or ConfigError."""
     for known in TRANSFERS:
         if transfer == known:
