@@ -265,6 +265,10 @@ def _ids_json(ids: Any) -> Any:
     return ids.tolist()
 
 
+#: Largest staging pool of a bench prefill rank, in MiB.
+PACK_POOL_MIB = 1024
+
+
 def _pack_mib(w: Workload, prefill: Any, remotes: list[Any]) -> int:
     """MiB of staging pool a prefill rank needs to keep a packed copy of every exposure."""
     from akv.geometry.cache import as_cache
@@ -276,7 +280,9 @@ def _pack_mib(w: Workload, prefill: Any, remotes: list[Any]) -> int:
         ids = cache.per_group(_ids_json(remote), "bench")
         total += max(sections(cache, r, w.prefill_tp, [len(i) for i in ids])[1] for r in range(w.prefill_tp))
         total += ALIGN
-    return 2 * total // (1 << 20) + 1  # the warm-up copy and the measured one
+    # the warm-up copy and the measured one, up to PACK_POOL_MIB (requests beyond it are read
+    # directly: the JSON's ``paths`` says how many)
+    return min(2 * total // (1 << 20) + 1, PACK_POOL_MIB)
 
 
 def _pack_cost(w: Workload, prefill: Any, reqs: list[tuple[str, Any, Any]], device: str) -> float:
@@ -289,7 +295,9 @@ def _pack_cost(w: Workload, prefill: Any, reqs: list[tuple[str, Any, Any]], devi
     cache = as_cache(prefill)
     dev = parse_device(device).for_rank(0, _cuda_count())
     kv = akv.allocate_kv_cache(prefill, 0, w.prefill_tp, device=dev)
-    packer = Packer(kv, cache, 0, w.prefill_tp, _pack_mib(w, prefill, [reqs[0][2]]) << 20, 64, False)
+    packer = Packer(
+        kv, cache, 0, w.prefill_tp, _pack_mib(w, prefill, [r for _, _, r in reqs[:8]]) << 20, 64, False
+    )
     spent = []
     for i, (rid, _, remote) in enumerate(reqs[:8]):
         ids = cache.per_group(_ids_json(remote), rid)

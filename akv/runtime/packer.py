@@ -86,6 +86,7 @@ class Packer:
         self.pool = torch.empty(self.arena.size, dtype=torch.uint8, device=device)
         self.directory = PackDirectory(buckets)
         self.views = CacheViews(kv_caches, rank_layout(cache, rank, tp_size))
+        self._stream: Any = None  # the CUDA side stream of the gathers
         self.slots: dict[str, int] = {}  # request -> slot offset
         self.packed_bytes = 0
 
@@ -112,7 +113,9 @@ class Packer:
         slot = self.pool[offset : offset + size]
         stream: Any = None
         if slot.is_cuda:  # one side stream, ordered after the work queued on the current one
-            stream = torch.cuda.Stream(slot.device)  # type: ignore[no-untyped-call]
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(slot.device)  # type: ignore[no-untyped-call]
+            stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(slot.device))
         try:
             with torch.cuda.stream(stream) if stream is not None else _null():

@@ -105,7 +105,9 @@ class Producer(RankBase):
             request-major order, so a decode rank reads it with one descriptor per component
             (see docs/concepts.md#packed-transfers); ``"auto"``: pack only when one unit of
             one block is more than one contiguous run on this rank's layout. A request that
-            finds the pool full is not packed: it is read directly (``pack_fallbacks``).
+            finds the pool full is not packed: it is read directly (``pack_fallbacks``). The
+            gather runs inside ``expose()`` (on CUDA on a side stream, waited for), so call it
+            once the request's KV is complete.
         pack_pool_bytes: the staging pool's size, allocated on the caches' device.
         release_after_pack: hand a packed request's blocks back at once (a
             [`Release`][akv.Release] with reason ``"packed"``); its packed copy then carries
