@@ -223,12 +223,13 @@ async def test_a_full_pool_falls_back_to_direct_reads_and_frees_slots() -> None:
         assert producer.metrics.counters["packed"] == 1 and producer.metrics.counters["pack_fallbacks"] == 1
         async with consumer_for(spec, "packed") as consumer:
             session = await consumer.connect(engine.endpoint)
-            paths = []
+            results = []
             for n, req in enumerate(reqs[:2]):
                 local = [3 * n, 3 * n + 1, 3 * n + 2]
-                paths.append((await (await session.pull(req.request_id, local, req.block_ids))).path)
+                results.append(await (await session.pull(req.request_id, local, req.block_ids)))
                 assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed)
-            assert paths == ["packed", "read"]
+            assert [r.path for r in results] == ["packed", "read"]
+            assert results[0].descriptors == 2 < results[1].descriptors  # k and v; the direct read's runs
         await wait_for(lambda: len(engine.releases) == 2)
         expose_all(engine, spec, reqs[2:])
         assert producer.metrics.counters["packed"] == 2  # the freed slot took the next request
@@ -264,6 +265,7 @@ async def test_a_lease_expiring_mid_read_of_a_packed_copy_fails_the_pull() -> No
         assert result.path == "packed" and consumer.metrics.counters["unsafe_reads"] == 1
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_release_after_pack_hands_blocks_back_before_the_read() -> None:
     """With release_after_pack, the blocks are released (reason "packed") at expose, before
     any read; the engine may reuse them, yet a packed pull is bit-exact, a direct one fails
@@ -346,6 +348,7 @@ async def test_a_large_packed_pull_scatters_off_the_event_loop_bit_exact() -> No
             assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed, num_tokens=req.num_tokens)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_a_timed_out_packed_pull_frees_its_staging_once() -> None:
     """A packed pull that times out mid-read fails with TransferTimeout; its staging range goes
     back only once NIXL released the read, and the next pull gets it."""

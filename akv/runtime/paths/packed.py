@@ -218,7 +218,7 @@ class PackedRead:
         self.direct = direct
         self.read: NixlRead | None = None
         self.fallback: NixlRead | None = None
-        self.descriptors = 0
+        self._descriptors = 0  # posted to read the packed copies
         self.scatter_s = 0.0
         self._ranks = frozenset(op.remote_rank for op, _, _ in prepared.posts)
         self._lookups: dict[XferHandle, int] = {}
@@ -228,6 +228,12 @@ class PackedRead:
         self._landed = False
         self._aborted = False
         self._job: concurrent.futures.Future[float] | None = None  # a scatter in the worker
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors the pull posted: the packed copies' runs, or the direct read's after a
+        fallback."""
+        return self.prepared.descriptors if self.fallback is not None else self._descriptors
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -332,7 +338,7 @@ class PackedRead:
             ltab = np.array(local, dtype=np.int64)
             ltab[:, 0] += base
             rtab = np.array(remote, dtype=np.int64)
-            self.descriptors += len(ltab)
+            self._descriptors += len(ltab)
             link = self.links[rank]
             posts.append(DescPost(rank, link.agent, ltab, self.staging.mem_type, rtab, link.pack.mem_type))
         self.read = NixlRead(
