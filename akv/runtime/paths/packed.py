@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from akv import exposure
 from akv.backends import Backend, Reaper, XferHandle
-from akv.errors import AkvError, BackPressureError, ConfigError, TransferError
+from akv.errors import AkvError, BackPressureError, ConfigError, IncompatiblePeerError, TransferError
 from akv.geometry.cache import CacheSpec
 from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, sections
 from akv.protocol.messages import PackInfo
@@ -535,8 +535,6 @@ class PackedRead:
 
 def error_for(ranks: Sequence[int], engine: str) -> AkvError:
     """The error for ``transfer="packed"`` against prefill ranks that do not pack."""
-    from akv.errors import IncompatiblePeerError
-
     return IncompatiblePeerError(
         f"prefill ranks {sorted(ranks)} of engine {engine!r} keep no packed copies: start them with "
         "transfer='packed' (--transfer packed), or pull with transfer='auto' or 'direct'",
