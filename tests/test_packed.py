@@ -369,3 +369,22 @@ async def test_a_timed_out_packed_pull_frees_its_staging_once() -> None:
         result = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
         assert result.path == "packed"
         assert verify_request(consumer.kv_caches, spec, 0, 1, [3, 4, 5], reqs[1].seed)
+
+
+@pytest.mark.parametrize(("layout", "packs"), [("HND", True), ("head-major", False)])
+async def test_a_prefill_engine_on_auto_packs_only_fragmented_layouts(layout: str, packs: bool) -> None:
+    """Producer(transfer="auto") keeps packed copies on a per-layer HND cache (many runs per
+    head and block) and none on head-major (one run): a packed pull works on the first and is
+    refused, naming the option, on the second."""
+    spec = make_spec(kv_heads=4, layout=layout)
+    req = make_requests(spec, 1, 3, seed=23)[0]
+    async with prefill_engine(spec, 1, transfer="auto") as engine, consumer_for(spec, "packed") as consumer:
+        expose_all(engine, spec, [req])
+        if not packs:
+            with pytest.raises(akv.IncompatiblePeerError, match="transfer"):
+                await consumer.connect(engine.endpoint)
+            return
+        session = await consumer.connect(engine.endpoint)
+        result = await (await session.pull(req.request_id, [0, 1, 2], req.block_ids))
+        assert result.path == "packed"
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], req.seed)
