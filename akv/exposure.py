@@ -41,6 +41,7 @@ from akv.errors import (
 __all__ = [
     "EXPOSED",
     "GENERATION_MASK",
+    "PACKED",
     "RELEASED_CLOSED",
     "RELEASED_EXPIRED",
     "RELEASED_READ",
@@ -57,6 +58,9 @@ SLOTS = 16
 #: int64 words per slot: token, digest, nblocks.
 SLOT_WORDS = 3
 EXPOSED, RELEASED_READ, RELEASED_EXPIRED, RELEASED_CLOSED = 1, 2, 3, 4
+#: Exposed through its packed copy only: the paged blocks went back to the engine after
+#: packing (``release_after_pack``), so only a packed read may succeed (akv.packing).
+PACKED = 5
 #: Generations are 31-bit (they share a word with the block count).
 GENERATION_MASK = (1 << 31) - 1
 _STATE_OF_REASON = {
@@ -108,7 +112,7 @@ class ExposureTable:
         if not candidates.size:
             candidates = np.flatnonzero(rows[:, 0] == 0)
         if not candidates.size:
-            candidates = np.flatnonzero(states != EXPOSED)
+            candidates = np.flatnonzero((states != EXPOSED) & (states != PACKED))
         if not candidates.size:
             raise ConfigError(
                 f"exposure table bucket full ({SLOTS} requests exposed in it): "
@@ -120,6 +124,13 @@ class ExposureTable:
         slot[1] = digest(block_ids)
         slot[2] = block_ids.size | (generation & GENERATION_MASK) << 32
         slot[0] = (h << 16) | EXPOSED
+
+    def mark_packed(self, request_id: str) -> None:
+        """Mark an exposure readable through its packed copy only (before its blocks go back)."""
+        h = request_hash(request_id)
+        rows = self.array[h % self.buckets]
+        for i in np.flatnonzero(rows[:, 0] == (h << 16) | EXPOSED):
+            rows[i, 0] = (h << 16) | PACKED
 
     def retire(self, request_id: str, reason: str) -> None:
         """Mark a request released (before its blocks go back to the engine)."""
@@ -142,10 +153,12 @@ def verify(
     prefill_rank: int,
     read_ids: Sequence[int] | npt.NDArray[Any] = (),
     generation: int = 0,
+    packed: bool = False,
 ) -> UnsafeReadError | None:
     """Check a bucket read after the data reads: None if ``request_id`` is exposed with exactly
     ``block_ids`` (and, given a ``generation``, is still that exposure); else the typed error
-    saying why the bytes cannot be trusted."""
+    saying why the bytes cannot be trusted. ``packed``: the bytes came from the request's
+    packed copy, which stays valid after its blocks were released early (state PACKED)."""
     rows = np.asarray(bucket, dtype=np.int64).reshape(SLOTS, SLOT_WORDS)
     h = request_hash(request_id)
     mine = rows[(rows[:, 0] >> 16) == h]
@@ -173,7 +186,14 @@ def verify(
             prefill_rank=prefill_rank,
             block_ids=_ids(read_ids),
         )
-    if state != EXPOSED:
+    if state == PACKED and not packed:
+        return ReleasedError(
+            f"{where} was released to its engine after packing: only its packed copy may be "
+            "read (transfer='packed')",
+            prefill_rank=prefill_rank,
+            block_ids=_ids(read_ids),
+        )
+    if state not in (EXPOSED, PACKED):
         how = "by the producer closing" if state == RELEASED_CLOSED else "after every reader notified"
         return ReleasedError(
             f"{where} was released ({how}) before the reads finished",

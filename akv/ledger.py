@@ -26,7 +26,7 @@ from akv.protocol.messages import Notice
 
 __all__ = ["Release", "ReleaseLedger", "ReleaseReason"]
 
-ReleaseReason = Literal["read", "expired", "closed", "pushed"]
+ReleaseReason = Literal["read", "expired", "closed", "pushed", "packed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,9 @@ class Release:
         block_ids: its blocks on this rank, as exposed.
         reason: ``"read"`` (every expected decode rank notified), ``"pushed"`` (the same, and
             this rank wrote the blocks into some decode rank: push mode), ``"expired"`` (the
-            lease ran out first) or ``"closed"`` (the producer shut down first).
+            lease ran out first), ``"closed"`` (the producer shut down first) or ``"packed"``
+            (released right after packing, ``release_after_pack``: the packed copy carries the
+            lease).
         notified: the decode ranks that notified.
         expected: how many were expected (None if none notified).
         groups: multi-group caches: ``{group name: ids}`` (``block_ids`` holds them flat, each

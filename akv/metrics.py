@@ -43,6 +43,8 @@ COUNTERS: tuple[str, ...] = (
     "push_failures",
     "push_notices_dropped",
     "push_stops_unconfirmed",
+    "packed",
+    "pack_fallbacks",
 )
 
 

@@ -97,6 +97,7 @@ class Chunks:
     local: IndexArray
     remote: IndexArray
     pattern: IndexArray | None  # None: every chunk has pattern 0
+    offset: int = 0  # chunk 0's first token, counted from the first token of the exposed blocks
 
     @property
     def size(self) -> int:
@@ -134,7 +135,7 @@ def chunks(
                     f"group {name!r}: {ml} local blocks but only {mr} remote blocks: "
                     "a decode rank cannot receive more blocks than the prefill rank exposed"
                 )
-            return Chunks(local_ids, remote_ids[mr - ml :], None)
+            return Chunks(local_ids, remote_ids[mr - ml :], None, (mr - ml) * br)
         num_tokens = mr * br
     n = num_tokens
     if ml == 0:
@@ -168,7 +169,7 @@ def chunks(
     lb = local_ids[t0 // bl - (nl - ml)]
     rb = remote_ids[t0 // br - (nr - mr)]
     pattern = None if bl == br else ((t0 % max(bl, br)) // g).astype(np.int32)
-    return Chunks(lb, rb, pattern)
+    return Chunks(lb, rb, pattern, int(first * g - (nr - mr) * br))
 
 
 # -- plans -------------------------------------------------------------------------------
@@ -226,6 +227,8 @@ class Prepared:
     read_ids: IndexArray  # the remote blocks actually read, flat over groups
     bytes: int
     descriptors: int
+    chunks: tuple[Chunks, ...] = ()  # per group: the chunks read (the packed path's tokens)
+    remote_counts: tuple[int, ...] = ()  # per group: blocks the request exposes
 
 
 def _atoms(
@@ -500,4 +503,14 @@ class TransferPlan:
         read_ids = rc.flatten([np.unique(c.remote) if c.pattern is not None else c.remote for c in per])
         posted = {op.remote_rank for op, _, _ in posts}
         standalone = tuple(r for r in self.notify if r not in posted)
-        return Prepared(reads, tuple(posts), standalone, rc.flatten(remote), read_ids, total, descs)
+        return Prepared(
+            reads,
+            tuple(posts),
+            standalone,
+            rc.flatten(remote),
+            read_ids,
+            total,
+            descs,
+            tuple(per),
+            tuple(int(r.size) for r in remote),
+        )

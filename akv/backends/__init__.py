@@ -90,6 +90,16 @@ class Backend(Protocol):
         *,
         merge: bool = True,
     ) -> XferHandle: ...
+    def read_descs(
+        self,
+        agent: str,
+        local: npt.NDArray[np.int64],
+        local_mem: str,
+        remote: npt.NDArray[np.int64],
+        remote_mem: str,
+        notif: bytes,
+    ) -> XferHandle:
+        """Create and post a READ of a few ``(addr, len, device)`` rows (no prepared lists)."""
 
     def state(self, handle: XferHandle) -> XferState: ...
 

@@ -351,6 +351,40 @@ class NixlBackend:
         return handle
 
     @on_device
+    def read_descs(
+        self,
+        agent: str,
+        local: npt.NDArray[np.int64],
+        local_mem: str,
+        remote: npt.NDArray[np.int64],
+        remote_mem: str,
+        notif: bytes,
+    ) -> XferHandle:
+        """Create and post a READ of ``(N, 3)`` rows ``(addr, len, device)`` on each side (for
+        a few descriptors whose addresses change per transfer: packed copies)."""
+        if agent not in self._remotes:
+            raise PeerLostError(f"agent {agent} was forgotten (its peer was re-linked)")
+        with map_exceptions("creating the read failed", TransferError):
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.int64), local_mem),
+                self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.int64), remote_mem),
+                agent,
+                notif,
+            )
+        self._xfers.add(handle)
+        try:
+            with map_exceptions("posting the read failed", TransferError):
+                state = self._agent.transfer(handle)
+        except TransferError:
+            self.release(handle)
+            raise
+        if state == "ERR":
+            self.release(handle)
+            raise TransferError("NIXL refused to post the read")
+        return handle
+
+    @on_device
     def state(self, handle: XferHandle) -> XferState:
         """Poll one transfer: "DONE" or "PROC"; raises [`TransferError`][akv.errors.TransferError] on failure."""
         with map_exceptions("transfer failed", TransferError):

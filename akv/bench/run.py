@@ -107,6 +107,8 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("small_concurrent", 1, 1, blocks=(1, 4), contiguous=False, concurrency=32, requests=512),
     *_HETERO,
     Workload("mixed_bs", 1, 1, blocks=(32, 32), block_size=16, decode_block_size=32),
+    # head-sliced NHD between TP sizes: one run per token, layer and K/V plane (packed transfers)
+    Workload("head_sliced_nhd", 1, 2, layout="NHD", blocks=(16, 16), layers=16, requests=8, pool=128),
 )
 
 
@@ -133,6 +135,10 @@ class Figures:
     latency_unchecked_ms: list[float] = field(default_factory=list)
     launch_akv_us: list[float] = field(default_factory=list)
     launch_nixl_us: list[float] = field(default_factory=list)
+    transfer: str = "direct"
+    pack_ms: float = 0.0  # prefill side: gather of one request into its packed copy
+    unpack_s: float = 0.0  # decode side: scatters of packed pulls, summed
+    paths: dict[str, int] = field(default_factory=dict)
 
 
 def _specs(w: Workload, layers: int) -> tuple[Any, Any]:
@@ -177,7 +183,7 @@ def _specs(w: Workload, layers: int) -> tuple[Any, Any]:
 
 
 def _start_prefill(
-    w: Workload, spec: Any, requests_file: str, device: str
+    w: Workload, spec: Any, requests_file: str, device: str, transfer: str = "direct", pool_mib: int = 1
 ) -> tuple[subprocess.Popen[str], str]:
     from akv.geometry.spec import KVSpec
     from akv.testing import spawn_prefill, spec_argv
@@ -207,6 +213,10 @@ def _start_prefill(
         "900",
         "--device",
         device,
+        "--transfer",
+        "direct" if transfer == "direct" else "packed",
+        "--pack-pool-mib",
+        str(pool_mib),
         *model,
     )
 
@@ -255,8 +265,56 @@ def _ids_json(ids: Any) -> Any:
     return ids.tolist()
 
 
+#: Largest staging pool of a bench prefill rank, in MiB.
+PACK_POOL_MIB = 1024
+
+
+def _pack_mib(w: Workload, prefill: Any, remotes: list[Any]) -> int:
+    """MiB of staging pool a prefill rank needs to keep a packed copy of every exposure."""
+    from akv.geometry.cache import as_cache
+    from akv.packing import ALIGN, sections
+
+    cache = as_cache(prefill)
+    total = 0
+    for remote in remotes:
+        ids = cache.per_group(_ids_json(remote), "bench")
+        total += max(sections(cache, r, w.prefill_tp, [len(i) for i in ids])[1] for r in range(w.prefill_tp))
+        total += ALIGN
+    # the warm-up copy and the measured one, up to PACK_POOL_MIB (requests beyond it are read
+    # directly: the JSON's ``paths`` says how many)
+    return min(2 * total // (1 << 20) + 1, PACK_POOL_MIB)
+
+
+def _pack_cost(w: Workload, prefill: Any, reqs: list[tuple[str, Any, Any]], device: str) -> float:
+    """Mean milliseconds prefill rank 0 spends packing one request (the gather at ``expose``)."""
+    import akv
+    from akv.device import parse_device
+    from akv.geometry.cache import as_cache
+    from akv.runtime.packer import Packer
+
+    cache = as_cache(prefill)
+    dev = parse_device(device).for_rank(0, _cuda_count())
+    kv = akv.allocate_kv_cache(prefill, 0, w.prefill_tp, device=dev)
+    packer = Packer(
+        kv, cache, 0, w.prefill_tp, _pack_mib(w, prefill, [r for _, _, r in reqs[:8]]) << 20, 64, False
+    )
+    spent = []
+    for i, (rid, _, remote) in enumerate(reqs[:8]):
+        ids = cache.per_group(_ids_json(remote), rid)
+        started = time.perf_counter()
+        packer.pack(rid, ids, i + 1)
+        spent.append(time.perf_counter() - started)
+        packer.drop(rid)
+    return 1e3 * float(np.mean(spent[1:] if len(spent) > 1 else spent))
+
+
 async def _bench_workload(
-    w: Workload, layers: int, progress: Callable[[str], None], device: str = "cpu", mode: str = "pull"
+    w: Workload,
+    layers: int,
+    progress: Callable[[str], None],
+    device: str = "cpu",
+    mode: str = "pull",
+    transfer: str = "direct",
 ) -> Figures:
     """Start the workload's prefill engine and measure every method against it."""
     prefill_spec, spec = _specs(w, layers)
@@ -272,9 +330,13 @@ async def _bench_workload(
         ]
         save_requests(f"{tmp}/requests.json", exposed)
         # The file stays until the prefill is gone: it reads it again for its summary.
-        proc, endpoint = _start_prefill(w, prefill_spec, f"{tmp}/requests.json", device)
+        pool = _pack_mib(w, prefill_spec, [remote for _, _, remote in reqs]) if transfer != "direct" else 1
+        proc, endpoint = _start_prefill(w, prefill_spec, f"{tmp}/requests.json", device, transfer, pool)
         try:
-            return await _measure(w, prefill_spec, spec, reqs, endpoint, progress, device, mode)
+            fig = await _measure(w, prefill_spec, spec, reqs, endpoint, progress, device, mode, transfer)
+            if transfer != "direct":
+                fig.pack_ms = _pack_cost(w, prefill_spec, reqs, device)
+            return fig
         finally:
             proc.terminate()
             proc.wait(10)
@@ -291,6 +353,7 @@ async def _measure(
     progress: Callable[[str], None],
     device: str = "cpu",
     mode: str = "pull",
+    transfer: str = "direct",
 ) -> Figures:
     """Every method on the workload's requests, read from the prefill at ``endpoint`` (``mode``
     "push": and akv in push mode, the prefill writing)."""
@@ -298,7 +361,7 @@ async def _measure(
     from akv.backends.nixl import NixlBackend
     from akv.device import parse_device
 
-    fig = Figures(w.name, w)
+    fig = Figures(w.name, w, transfer=transfer)
     async with AsyncExitStack() as stack:
         consumers: list[Any] = []
         unchecked: list[Any] = []
@@ -312,6 +375,8 @@ async def _measure(
                     tp_rank=d,
                     tp_size=w.decode_tp,
                     verify_exposure=verify_exposure,
+                    transfer=transfer,
+                    pack_staging_bytes=256 << 20,
                     backend=NixlBackend(
                         f"bench-d{d}{tag}-{os.getpid()}-{w.name}",
                         telemetry=True,
@@ -454,6 +519,8 @@ class _Methods:
             total += res.bytes
             if record and checked:
                 self.fig.descriptors_submitted += res.descriptors
+                self.fig.paths[res.path] = self.fig.paths.get(res.path, 0) + 1
+                self.fig.unpack_s += getattr(t.op, "scatter_s", 0.0)
         seconds = time.perf_counter() - t0
         if record:
             latency.extend([seconds * 1e3] * len(batch))
@@ -683,6 +750,22 @@ def _table_prep_fresh(blocks: int) -> dict[str, float]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def _transfer_columns(f: Figures) -> dict[str, Any]:
+    """``transfer`` and ``paths`` (pulls per path); for packed and auto, ``descriptors`` is
+    what akv posted per request (packed reads use unprepared lists, no merging), and
+    ``pack_ms`` / ``unpack_ms`` the gather (prefill) and scatter (decode) per request."""
+    if f.transfer == "direct":
+        return {"transfer": "direct", "paths": dict(f.paths)}
+    pulls = max(sum(f.paths.values()), 1)
+    return {
+        "transfer": f.transfer,
+        "paths": dict(f.paths),
+        "descriptors": round(f.descriptors_submitted, 1),
+        "pack_ms": round(f.pack_ms, 3),
+        "unpack_ms": round(1e3 * f.unpack_s / pulls, 3),
+    }
+
+
 def _row(f: Figures) -> dict[str, Any]:
     """One workload's line of the summary."""
     w = f.workload
@@ -713,6 +796,7 @@ def _row(f: Figures) -> dict[str, Any]:
         "unchecked_gbps": round(f.gbps["akv_unchecked"], 3),
         "unchecked_p50_ms": round(float(np.percentile(f.latency_unchecked_ms, 50)), 3),
         "check_cost": round(f.gbps["akv_unchecked"] / f.gbps["akv"], 3),
+        **_transfer_columns(f),
         **(
             {"nixl_write_gbps": round(f.gbps["nixl_write"], 3), "torch_gbps": round(f.gbps["memcpy"], 3)}
             if "nixl_write" in f.gbps
@@ -901,12 +985,15 @@ async def run_bench(
     mode: str = "pull",
     layer_ms: float = 0.0,
     only: Sequence[str] = (),
+    transfer: str = "direct",
 ) -> dict[str, Any]:
     """Run every workload (or, with ``preset``, that model's), the same-process workload and
     the poller and table figures; returns the JSON summary. ``device``: cpu, cuda or cuda:N
     (the caches of both sides of each pairing there). ``mode`` "push": akv in push mode beside
     every workload, and the ``layerwise`` workload (``layer_ms`` of computing per layer).
-    ``only``: just these workloads (``layerwise`` among them), no other figures."""
+    ``only``: just these workloads (``layerwise`` among them), no other figures.
+    ``transfer``: the decode side's choice of copy (the prefill packs unless it is
+    ``"direct"``)."""
     layers = 8 if quick else 16
     if hf_config:
         workloads, pairs = preset_workloads(_config_name(hf_config), hf_config)
@@ -918,7 +1005,7 @@ async def run_bench(
     for w in workloads:
         if not quick:
             w = replace(w, requests=w.requests * 4)
-        figures.append(await _bench_workload(w, layers, progress, device, mode))
+        figures.append(await _bench_workload(w, layers, progress, device, mode, transfer))
     lw: list[dict[str, Any]] = []
     if mode == "push" and (not only or "layerwise" in only):
         from akv.bench.push import layerwise
@@ -927,8 +1014,11 @@ async def run_bench(
     if only:
         return {
             "workloads": [*(_row(f) for f in figures), *lw],
+            "comparisons": _comparisons(figures, pairs),
+            "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
             "device": device,
             "mode": "quick" if quick else "full",
+            "transfer": transfer,
         }
     same = await _same_process(layers, device, progress)
     progress("poller")
@@ -951,6 +1041,7 @@ async def run_bench(
         "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
         "device": device,
         "mode": "quick" if quick else "full",
+        "transfer": transfer,
     }
 
 
@@ -1002,11 +1093,12 @@ def _print_table(summary: dict[str, Any]) -> None:
         f"akv vs hand-written NIXL on the same descriptors (target >= {t['akv_vs_nixl']:g}x): "
         f"lowest {a['min']}x ({a['min_workload']}); below target: {below}"
     )
-    launch = summary["launch"]
-    print(
-        f"launch overhead p50: akv {launch['akv_us_p50']} us, raw make_prepped_xfer+transfer "
-        f"{launch['nixl_us_p50']} us"
-    )
+    if "launch" in summary:  # not with --only
+        launch = summary["launch"]
+        print(
+            f"launch overhead p50: akv {launch['akv_us_p50']} us, raw make_prepped_xfer+transfer "
+            f"{launch['nixl_us_p50']} us"
+        )
     for w in summary["workloads"]:
         if w["name"] == "same_process":
             print(
@@ -1026,8 +1118,15 @@ def _print_table(summary: dict[str, Any]) -> None:
             )
         if "push_gbps" in w and w["name"] != "layerwise":
             print(f"{w['name']}: push {w['push_gbps']} GB/s, {w['push_vs_pull']}x pull (target >= 0.9x)")
-    print(f"poller: {summary['poller']}")
-    print(f"table preparation: {summary['table_prep']}")
+    if "poller" in summary:
+        print(f"poller: {summary['poller']}")
+        print(f"table preparation: {summary['table_prep']}")
+    for w in summary["workloads"]:
+        if w.get("transfer", "direct") != "direct":
+            print(
+                f"{w['name']} ({w['transfer']}): paths {w['paths']}, {w['descriptors']} descriptors/request, "
+                f"pack {w['pack_ms']} ms, unpack {w['unpack_ms']} ms per request"
+            )
 
 
 def _config_name(path: str) -> str:
@@ -1119,7 +1218,15 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument(
         "--only",
         metavar="NAME[,NAME...]",
-        help="run just these workloads (layerwise: with --mode push), and no other figures",
+        help="run just these workloads (layerwise: with --mode push), and no same-process, poller "
+        "or table figures",
+    )
+    p.add_argument(
+        "--transfer",
+        choices=("direct", "packed", "auto"),
+        default="direct",
+        help="run each workload with direct reads, packed copies (the prefill packs every "
+        "request) or auto's choice per pull (default: %(default)s)",
     )
     from akv.cli.args import add_mode_flags
 
@@ -1134,7 +1241,7 @@ def add_bench_parser(sub: Any) -> None:
         only = [n for n in (a.only or "").split(",") if n]
         known = {w.name for w in WORKLOADS} | {"layerwise"}
         check(
-            all(n in known for n in only),
+            bool(a.preset or a.hf_config) or all(n in known for n in only),
             f"--only {a.only}: unknown workloads {sorted(set(only) - known)} (known: {', '.join(sorted(known))})",
         )
         check(a.mode == "push" or "layerwise" not in only, "--only layerwise needs --mode push")
@@ -1165,7 +1272,16 @@ def add_bench_parser(sub: Any) -> None:
                 print(f"[{done[0]}/{steps}] {note}", file=sys.stderr, flush=True)
 
         summary = anyio.run(
-            run_bench, a.quick, progress, a.preset, str(device), a.hf_config, a.mode, a.layer_ms, only
+            run_bench,
+            a.quick,
+            progress,
+            a.preset,
+            str(device),
+            a.hf_config,
+            a.mode,
+            a.layer_ms,
+            only,
+            a.transfer,
         )
         bar.close()
         summary["seconds"] = round(time.monotonic() - started, 1)

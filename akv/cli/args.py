@@ -36,11 +36,13 @@ __all__ = [
     "add_device_flag",
     "add_mode_flags",
     "add_model_flags",
+    "add_transfer_flags",
     "check",
     "check_mode",
     "check_model",
     "check_port",
     "check_seconds",
+    "check_transfer_flags",
     "described_by",
     "device_of",
     "emit",
@@ -486,3 +488,44 @@ def use_gpu_environment(device: Device) -> None:
             "set it yourself to choose",
             file=sys.stderr,
         )
+
+
+# -- packed transfers ------------------------------------------------------------------------
+
+_TRANSFER_HELP = {
+    "prefill": "whether ranks keep packed copies of exposed requests: packed (always), auto (when "
+    "a head slice of a block is several runs on this layout) or direct (never)",
+    "decode": "which copy to read: packed (the prefill ranks' packed copies), direct (the paged "
+    "blocks) or auto (packed where the direct read would take many descriptors)",
+    "demo": "passed to both engines (see akv prefill --help and akv decode --help)",
+    "bench": "run each workload with packed copies, direct reads or auto's choice",
+}
+
+
+def add_transfer_flags(p: argparse.ArgumentParser, command: str, default: str) -> None:
+    """``--transfer {auto,direct,packed}`` (and, where a prefill engine runs, ``--pack-pool-mib``)."""
+    p.add_argument(
+        "--transfer",
+        choices=("auto", "direct", "packed"),
+        default=default,
+        help=f"{_TRANSFER_HELP[command]} (default: %(default)s)",
+    )
+    if command in ("prefill", "demo"):
+        p.add_argument(
+            "--pack-pool-mib",
+            type=int,
+            default=256,
+            metavar="MIB",
+            help="each prefill rank's staging pool for packed copies (default: %(default)s)",
+        )
+
+
+def check_transfer_flags(a: argparse.Namespace) -> None:
+    """A one-line ConfigError for a bad ``--pack-pool-mib``, or packed copies with push mode
+    (pushes write the paged blocks; packed copies are read by pulls only)."""
+    mib = getattr(a, "pack_pool_mib", 1)
+    check(mib >= 1, f"--pack-pool-mib must be >= 1, got {mib}")
+    check(
+        not (getattr(a, "transfer", None) == "packed" and getattr(a, "mode", None) == "push"),
+        "--transfer packed is for pulls (pushes write the paged blocks): drop it, or use --mode pull",
+    )

@@ -20,6 +20,7 @@ from akv.cli.args import (
     EXIT_USAGE,
     check,
     check_model,
+    check_transfer_flags,
     check_seconds,
     device_of,
     emit,
@@ -64,6 +65,7 @@ def validate(a: argparse.Namespace) -> None:
     check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
     a.tls = tls_from_args(a, serve=False, connect=True)
     check_model(a, "--tp-size")
+    check_transfer_flags(a)
     device_of(a)  # checked before any I/O
     check(a.concurrency >= 1, f"--concurrency must be >= 1, got {a.concurrency}")
     check_seconds(a.transfer_timeout, "--transfer-timeout")
@@ -153,6 +155,7 @@ async def run_decode(
                     transfer_timeout=a.transfer_timeout,
                     tls=getattr(a, "tls", None),
                     mode=a.mode,
+                    transfer=a.transfer,
                 )
             )
             for d in mine

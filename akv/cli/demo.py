@@ -22,6 +22,7 @@ from akv.cli.args import (
     check_mode,
     check_model,
     check_seconds,
+    check_transfer_flags,
     described_by,
     device_of,
     emit,
@@ -45,6 +46,7 @@ def validate(a: argparse.Namespace) -> None:
     check(a.secret != "", "--secret is empty: give a non-empty shared secret, or leave it out")
     tls_from_args(a, serve=True, connect=True, why=" (the demo's decode verifies its prefill)")
     check_model(a, "--prefill-tp", "--decode-tp")
+    check_transfer_flags(a)
     a.devices = {side: device_of(a, side) for side in ("prefill", "decode")}
     for flag, value in (
         ("--prefill-block-size", a.prefill_block_size),
@@ -167,6 +169,10 @@ async def _run_demo(
         "--json",
         "--device",
         str(a.devices["prefill"]),
+        "--transfer",
+        a.transfer,
+        "--pack-pool-mib",
+        str(a.pack_pool_mib),
         *prefill_model,
         *prefill_extra,
         *(["--mode", "push", "--layer-ms", str(a.layer_ms)] if a.mode == "push" else []),
@@ -202,6 +208,8 @@ async def _run_demo(
                 str(a.concurrency),
                 "--device",
                 str(a.devices["decode"]),
+                "--transfer",
+                a.transfer,
                 *decode_model,
                 "--mode",
                 a.mode,

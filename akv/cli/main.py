@@ -25,6 +25,7 @@ from akv.cli.args import (
     add_mode_flags,
     add_model_flags,
     add_tls_flags,
+    add_transfer_flags,
     first_leaf,
     usage_error,
 )
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flag(p)
     add_tls_flags(p)
     add_mode_flags(p, served=True, layers=True)
+    add_transfer_flags(p, "prefill", "direct")
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser(
@@ -222,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flag(p)
     add_tls_flags(p)
     add_mode_flags(p)
+    add_transfer_flags(p, "decode", "auto")
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser(
@@ -284,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flag(p, "prefill", "decode")
     add_tls_flags(p)
     add_mode_flags(p, layers=True)
+    add_transfer_flags(p, "demo", "direct")
     p.set_defaults(func=cmd_demo)
 
     add_engines_parser(sub)

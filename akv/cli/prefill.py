@@ -30,6 +30,7 @@ from akv.cli.args import (
     check_model,
     check_port,
     check_seconds,
+    check_transfer_flags,
     device_of,
     emit,
     rank_device,
@@ -67,6 +68,7 @@ def validate(a: argparse.Namespace) -> None:
     )
     check_model(a, "--tp-size")
     device_of(a)  # checked before any I/O
+    check_transfer_flags(a)
     size_pool(a)
     check_port(a.port)
     check_seconds(a.lease, "--lease")
@@ -175,6 +177,8 @@ async def run_prefill(
         max_exposed=max(16384, 2 * len(requests)),
         tls=getattr(a, "tls", None),
         modes=("pull", "push") if a.mode is None else (a.mode,),
+        transfer=a.transfer,
+        pack_pool_bytes=a.pack_pool_mib << 20,
     )
     streaming = a.layer_ms > 0
     started = time.monotonic()

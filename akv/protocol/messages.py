@@ -48,6 +48,7 @@ __all__ = [
     "Metadata",
     "MetadataRequest",
     "Notice",
+    "PackInfo",
     "RankInfo",
     "Register",
     "Registered",
@@ -159,6 +160,18 @@ class MetadataRequest(_Msg, frozen=True, tag=True, kw_only=True):
     mac: bytes = b""
 
 
+class PackInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill rank that packs exposed requests (akv.packing): its staging pool and directory."""
+
+    pool_addr: int
+    pool_bytes: Annotated[int, msgspec.Meta(ge=0)]
+    mem_type: Name = "DRAM"
+    device_id: int = 0
+    directory_addr: int = 0  # registered as DRAM
+    directory_buckets: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUCKETS)] = 1
+    early: bool = False  # release_after_pack: blocks go back after packing, only the copy may be read
+
+
 class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One prefill rank: its NIXL agent and where its regions live."""
 
@@ -171,6 +184,7 @@ class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
     exposure_addr: int = 0  # the rank's exposure table (akv.exposure), registered as DRAM
     exposure_buckets: Annotated[int, msgspec.Meta(ge=0, le=MAX_BUCKETS)] = 0
     process: Name = ""  # names the rank's process (akv.runtime.local): a peer there copies instead
+    pack: PackInfo | None = None  # set if the rank keeps packed copies of its exposures
 
 
 class Metadata(_Msg, frozen=True, tag=True, kw_only=True):

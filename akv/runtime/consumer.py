@@ -28,12 +28,16 @@ from akv.errors import (
     UnsafeReadError,
 )
 from akv.geometry.cache import CacheSpec
+from akv.geometry.layout import rank_layout
 from akv.geometry.spec import KVSpec
+from akv.packing import DIR_WORDS, CacheViews
 from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
 from akv.protocol.push import decode_push
+from akv.runtime.packer import check_transfer
 from akv.runtime.paths import Failed, Pending
+from akv.runtime.paths.packed import AUTO_DESCRIPTORS, StagingPool
 from akv.runtime.paths.push import PushOp
 from akv.runtime.paths.read import CheckPool
 from akv.runtime.rank import RankBase, default_engine_id
@@ -110,6 +114,19 @@ class Consumer(RankBase):
             Same API either way; ``TransferResult.path`` says ``"push"``.
         stop_grace_s: push mode: seconds a failed or cancelled pull waits for its writers to
             confirm they stopped before it removes their agents and settles anyway.
+        transfer: which copy of a request to read: ``"direct"`` (the paged blocks), ``"packed"``
+            (the prefill ranks' packed copies, see docs/concepts.md#packed-transfers; an
+            [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``transfer`` at
+            connect if a prefill rank keeps none) or ``"auto"`` (packed where every rank read
+            from packs and the direct read would post more than ``pack_threshold``
+            descriptors, or a rank released its blocks after packing). Pull mode only:
+            ``mode="push"`` with ``transfer="packed"`` is a
+            [`ConfigError`][akv.errors.ConfigError] (pushes write the paged blocks).
+        pack_staging_bytes: the registered staging area packed reads land in (a pull that
+            finds it full reads directly, or fails with
+            [`BackPressureError`][akv.errors.BackPressureError] when it cannot).
+        pack_threshold: ``transfer="auto"``'s descriptor count (default: measured, see
+            docs/performance.md#packed-transfers).
     """
 
     _role = "d"
@@ -141,6 +158,9 @@ class Consumer(RankBase):
         tls: TLSConfig | None = None,
         mode: str = "pull",
         stop_grace_s: float = 5.0,
+        transfer: str = "auto",
+        pack_staging_bytes: int = 64 << 20,
+        pack_threshold: int = AUTO_DESCRIPTORS,
     ) -> None:
         super().__init__(
             kv_caches,
@@ -188,6 +208,23 @@ class Consumer(RankBase):
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
         self.checks = CheckPool(max_checks)
+        self.transfer = check_transfer(transfer)
+        if self.transfer == "packed" and self.mode == "push":
+            raise ConfigError(
+                "transfer='packed' picks which copy a pull reads; push mode writes into the paged "
+                "blocks: use mode='pull' with it, or transfer='auto' / 'direct'"
+            )
+        if pack_threshold < 0:
+            raise ConfigError(f"pack_threshold must be >= 0, got {pack_threshold}")
+        self.pack_threshold = pack_threshold
+        if pack_staging_bytes < 256:
+            raise ConfigError(f"pack_staging_bytes must be >= 256, got {pack_staging_bytes}")
+        self.pack_staging_bytes = pack_staging_bytes
+        self.staging: StagingPool | None = None  # set up with the first prefill rank that packs
+        self.directories: CheckPool | None = None
+        self.pack_views = CacheViews(self.kv_caches, rank_layout(self.cache, tp_rank, tp_size))
+        self._max_checks = max_checks
+        self._packing = anyio.Lock()
         self.log = self._log
         self._sessions: dict[str, TransferSession] = {}
         self._connecting: dict[str, anyio.Event] = {}
@@ -221,6 +258,20 @@ class Consumer(RankBase):
             with anyio.move_on_after(self.stop_grace_s + 1):
                 await self.settled()
 
+    async def enable_packing(self) -> None:
+        """Allocate and register the staging area of packed reads (once; the first session
+        to a prefill engine that packs calls this)."""
+        async with self._packing:
+            if self.staging is not None or self.transfer == "direct":
+                return
+            staging = StagingPool(self.pack_staging_bytes, self.kv_caches[0])
+            directories = CheckPool(self._max_checks, DIR_WORDS)
+            backend = self.backend
+            await anyio.to_thread.run_sync(backend.register, [staging.tensor])
+            await anyio.to_thread.run_sync(backend.register_host, directories.array)
+            directories.dlist = await anyio.to_thread.run_sync(backend.prep, "", directories.table(), "DRAM")
+            self.staging, self.directories = staging, directories
+
     def _teardown(self) -> None:
         backend = self.backend_or_none
         now = time.monotonic()
@@ -253,6 +304,8 @@ class Consumer(RankBase):
             session.closed = True
             session._unload()
         self._sessions.clear()
+        if self.staging is not None:
+            self.staging.close()
 
     async def aclose(self) -> None:
         """Fail running transfers with [`ClosedError`][akv.errors.ClosedError], release everything. Idempotent."""
@@ -445,6 +498,12 @@ class Consumer(RankBase):
             if self.verify_exposure:
                 await anyio.to_thread.run_sync(new.register_host, self.checks.array)
                 dlist = await anyio.to_thread.run_sync(new.prep, "", self.checks.table(), "DRAM")
+            staging, directories = self.staging, self.directories
+            dir_dlist = None
+            if staging is not None and directories is not None:  # packed reads land there
+                await anyio.to_thread.run_sync(new.register, [staging.tensor])
+                await anyio.to_thread.run_sync(new.register_host, directories.array)
+                dir_dlist = await anyio.to_thread.run_sync(new.prep, "", directories.table(), "DRAM")
         except BaseException:
             await anyio.to_thread.run_sync(new.close)
             raise
@@ -459,6 +518,8 @@ class Consumer(RankBase):
         self._backend, self._reaper = new, Reaper(new)
         self._metadata = None  # push mode: the next handshakes carry the new agent's metadata
         self.checks.dlist = dlist
+        if directories is not None:
+            directories.dlist = dir_dlist
         self._local_dlists.clear()
         self.agent_epoch += 1
         await anyio.to_thread.run_sync(old.close)

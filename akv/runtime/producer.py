@@ -43,6 +43,7 @@ from akv.protocol.messages import Hello, Notice, RankInfo, Register, decode_noti
 from akv.protocol.push import decode_push, is_push
 from akv.runtime import local
 from akv.runtime.control import ControlServer, register_rank
+from akv.runtime.packer import Packer, check_transfer, fragmented
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.tls import TLSConfig
 
@@ -113,7 +114,20 @@ class Producer(RankBase):
             ``"push"`` (this rank WRITEs into decode ranks that announce requests, layer by
             layer: see [`layers_ready`][akv.Producer.layers_ready]). A decode rank asking for
             another mode gets an [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError]
-            naming ``mode``.
+            naming ``mode``. Default: both, or only ``"pull"`` with ``release_after_pack``
+            (whose blocks go back before a push could write them).
+        transfer: ``"direct"`` (default): decode ranks read the paged blocks; ``"packed"``:
+            each exposure is also copied, at ``expose()``, into a slot of a registered pool in
+            request-major order, so a decode rank reads it with one descriptor per component
+            (see docs/concepts.md#packed-transfers); ``"auto"``: pack only when one unit of
+            one block is more than one contiguous run on this rank's layout. A request that
+            finds the pool full is not packed: it is read directly (``pack_fallbacks``). The
+            gather runs inside ``expose()`` (on CUDA on a side stream, waited for), so call it
+            once the request's KV is complete.
+        pack_pool_bytes: the staging pool's size, allocated on the caches' device.
+        release_after_pack: hand a packed request's blocks back at once (a
+            [`Release`][akv.Release] with reason ``"packed"``); its packed copy then carries
+            the lease, and only packed reads of it succeed.
     """
 
     _role = "p"
@@ -144,7 +158,10 @@ class Producer(RankBase):
         spin_s: float = 0.002,
         nixl_threads: int = 0,
         tls: TLSConfig | None = None,
-        modes: Sequence[str] = ("pull", "push"),
+        modes: Sequence[str] | None = None,
+        transfer: str = "direct",
+        pack_pool_bytes: int = 256 << 20,
+        release_after_pack: bool = False,
     ) -> None:
         if etcd is not None and engine_id is None:
             raise ConfigError("registering in etcd needs an explicit engine_id, the same on every rank")
@@ -162,6 +179,13 @@ class Producer(RankBase):
             nixl_threads=nixl_threads,
         )
         self.lease_s = check_lease(lease)
+        if modes is None:
+            modes = ("pull",) if release_after_pack else ("pull", "push")
+        elif release_after_pack and "push" in modes:
+            raise ConfigError(
+                "release_after_pack hands the paged blocks back before a push could write them: "
+                "serve modes=('pull',) with it, or leave release_after_pack off"
+            )
         if not modes or any(m not in ("pull", "push") for m in modes):
             raise ConfigError(f"modes must name 'pull' and/or 'push', got {list(modes)}")
         self.modes: tuple[str, ...] = tuple(m for m in ("pull", "push") if m in modes)
@@ -205,6 +229,25 @@ class Producer(RankBase):
         self._idle: anyio.Event | None = None
         self._inbox: deque[tuple[str, bytes]] = deque()  # notices from decode ranks of this process
         self._loop_thread = 0
+        self.transfer = check_transfer(transfer)
+        self.release_after_pack = bool(release_after_pack)
+        self.packer: Packer | None = None
+        if self.transfer == "packed" or (
+            self.transfer == "auto" and fragmented(self.cache, tp_rank, tp_size)
+        ):
+            self.packer = Packer(
+                self.kv_caches,
+                self.cache,
+                tp_rank,
+                tp_size,
+                pack_pool_bytes,
+                self.ledger.table.buckets,
+                self.release_after_pack,
+            )
+        self._early: set[str] = set()  # released to the engine after packing, still exposed
+        # exposed with layers still to compute: packed once the last one is ready
+        self._pack_later: dict[str, tuple[Sequence[npt.NDArray[np.int32]], npt.NDArray[np.int32], int]] = {}
+
         from akv.runtime.pusher import Pusher
 
         self.pusher = Pusher(self, self._deliver, self._log)
@@ -213,6 +256,9 @@ class Producer(RankBase):
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         await anyio.to_thread.run_sync(self.backend.register_host, self.ledger.table.array)
+        if self.packer is not None:
+            await anyio.to_thread.run_sync(self.backend.register, [self.packer.pool])
+            await anyio.to_thread.run_sync(self.backend.register_host, self.packer.directory.array)
         hosted = next(iter(self.server.ranks.values()), None)
         if hosted is not None and not self._named:
             self.engine_id = hosted.engine_id  # ranks sharing a server are one engine
@@ -318,6 +364,7 @@ class Producer(RankBase):
                 exposure_addr=int(table.array.ctypes.data),
                 exposure_buckets=table.buckets,
                 process=local.PROCESS_TOKEN,
+                pack=self.packer.info(mem, dev) if self.packer is not None else None,
             )
         return self._info
 
@@ -384,10 +431,16 @@ class Producer(RankBase):
         """
         if not self.running:
             raise ClosedError("the producer is not running")
-        ids = self.cache.flatten(self.cache.per_group(block_ids, f"request {request_id!r}"))
+        per_group = self.cache.per_group(block_ids, f"request {request_id!r}")
+        ids = self.cache.flatten(per_group)
         if layers_ready is not None and not 0 <= layers_ready <= self.pusher.layers:
             raise ConfigError(f"layers_ready must be in [0, {self.pusher.layers}], got {layers_ready}")
         generation = self.ledger.expose(request_id, ids, time.monotonic(), lease, generation)
+        if self.packer is not None:
+            if layers_ready is None or layers_ready >= self.pusher.layers:
+                self._pack(request_id, per_group, ids, generation)
+            else:  # packed once every layer is computed (until then, read directly)
+                self._pack_later[request_id] = (per_group, ids, generation)
         self.pusher.exposed(request_id, layers_ready)
         self._backoff.wake()
         return generation
@@ -410,7 +463,39 @@ class Producer(RankBase):
         if n < 0:
             raise ConfigError(f"layers_ready needs n >= 0, got {n}")
         self.pusher.layers_ready(request_id, min(n, self.pusher.layers))
+        if n >= self.pusher.layers and request_id in self._pack_later:
+            self._pack(request_id, *self._pack_later.pop(request_id))
         self._backoff.wake()
+
+    def _pack(
+        self,
+        request_id: str,
+        per_group: Sequence[npt.NDArray[np.int32]],
+        ids: npt.NDArray[np.int32],
+        generation: int,
+    ) -> None:
+        """Pack an exposed request (fall back to direct reads when the pool is full); with
+        ``release_after_pack``, hand its blocks back now."""
+        packer = self.packer
+        if packer is None:  # pragma: no cover - expose() packs only with a packer
+            return
+        try:
+            packed = packer.pack(request_id, per_group, generation)
+        except Exception as exc:  # e.g. out of device memory: this request is read directly
+            self._log.warning(
+                "packing failed: the request is read directly", request=request_id, error=str(exc)
+            )
+            packed = False
+        if not packed:
+            self.metrics.inc("pack_fallbacks")
+            self._log.info("no packed copy (pool full): the request is read directly", request=request_id)
+            return
+        self.metrics.inc("packed")
+        if self.release_after_pack:
+            self.ledger.table.mark_packed(request_id)  # before the blocks go back: direct reads now fail
+            self._early.add(request_id)
+            groups = self.cache.split(ids) if len(self.cache.groups) > 1 else None
+            self._deliver([Release(request_id, ids, "packed", 0, None, groups)], pack=False)
 
     def extend(self, request_id: str, seconds: float | None = None) -> None:
         """Push the lease deadline of ``request_id`` to now + ``seconds`` (default: its lease)."""
@@ -442,9 +527,22 @@ class Producer(RankBase):
                 self._idle = anyio.Event()
             await self._idle.wait()
 
-    def _deliver(self, releases: list[Release]) -> None:
+    def _deliver(self, releases: list[Release], pack: bool = True) -> None:
+        settled = bool(releases)
         if releases:
             self.pusher.released(releases)
+            for release in releases:
+                self._pack_later.pop(release.request_id, None)
+        if pack and self.packer is not None:  # the exposure is retired: free its slot (once)
+            kept = []
+            for release in releases:
+                self.packer.drop(release.request_id)
+                if release.request_id in self._early:  # its blocks went back after packing
+                    self._early.discard(release.request_id)
+                    self.metrics.inc(f"pack_released_{release.reason}")
+                    continue
+                kept.append(release)
+            releases = kept
         for release in releases:
             if release.reason not in ("read", "pushed"):
                 self._log.info(
@@ -461,7 +559,7 @@ class Producer(RankBase):
                     self._log.exception("on_release callback failed", request=release.request_id)
             for stream in list(self._streams):
                 self._send(stream, release)
-        if releases and not len(self.ledger) and self._idle is not None:
+        if settled and not len(self.ledger) and self._idle is not None:
             self._idle.set()
 
     def _send(self, stream: MemoryObjectSendStream[Release], release: Release) -> None:

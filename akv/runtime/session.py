@@ -37,7 +37,7 @@ from akv.errors import (
     TransferTimeout,
     UnsafeReadError,
 )
-from akv.geometry.cache import CacheSpec
+from akv.geometry.cache import CacheSpec, as_cache
 from akv.plan import Prepared, RankMemory, TransferPlan
 from akv.protocol.address import (
     BootstrapAddress,
@@ -52,7 +52,7 @@ from akv.protocol.messages import Challenge, Hello, Notice, RankInfo, encode_not
 from akv.protocol.push import PushNotice, encode_push
 from akv.runtime import local
 from akv.runtime.local import LocalRank
-from akv.runtime.paths import Failed, PathName, PathOp
+from akv.runtime.paths import Failed, PathName, PathOp, packed
 from akv.runtime.paths.copy import CopyPlan
 from akv.runtime.paths.push import PushOp
 from akv.runtime.paths.read import NixlRead, RankCheck, ReadPost
@@ -117,11 +117,13 @@ class TransferResult(msgspec.Struct, frozen=True):
         request_id: the request.
         bytes: data bytes moved into this rank's cache.
         descriptors: byte runs moved: descriptors submitted to NIXL on the read path, runs
-            copied on the copy path (the same count for the same request).
+            copied on the copy path (the same count for the same request), descriptors of the
+            packed copies read on the packed path.
         reads: prefill ranks read from (one read, or one copy, each).
         seconds: wall time from launch to completion.
         path: how the bytes moved: ``"copy"`` (torch, the prefill ranks live in this
-            process), ``"read"`` (NIXL READs) or ``"push"`` (the prefill ranks WRITEs).
+            process), ``"read"`` (NIXL READs), ``"packed"`` (NIXL READs of the prefill
+            ranks' packed copies, then a torch scatter) or ``"push"`` (the prefill ranks WRITE).
     """
 
     request_id: str
@@ -175,7 +177,7 @@ class Transfer:
 
     @property
     def path(self) -> PathName:
-        """The transfer path moving its bytes: ``"copy"``, ``"read"`` or ``"push"``."""
+        """The transfer path moving its bytes: ``"copy"``, ``"read"``, ``"packed"`` or ``"push"``."""
         return self.op.path
 
     async def cancel(self) -> None:
@@ -223,10 +225,11 @@ class Transfer:
             return
         if error is None:
             p = self.prepared
+            descriptors = getattr(self.op, "descriptors", None)  # a packed read's own count
             self._result = TransferResult(
                 self.request_id,
                 p.bytes,
-                p.descriptors,
+                p.descriptors if descriptors is None else descriptors,
                 len(p.posts),
                 time.monotonic() - self.state.started,
                 self.op.path,
@@ -255,6 +258,7 @@ class RankLink:
     broken: bool = False
     loading: anyio.Event | None = None
     dropped: bool = False  # its reference to the remote agent was given back
+    directory: RankCheck | None = None  # its packed-copy directory, prepared (akv.packing)
 
 
 class _Unsettled(Exception):
@@ -508,6 +512,8 @@ class TransferSession:
                     "same_process='copy' needs every one here (use 'auto' to copy only when they are)",
                     ("same_process",),
                 )
+        if c.transfer == "packed" and (plain := sorted(r for r, i in infos.items() if i.pack is None)):
+            raise packed.error_for(plain, ch.engine_id)
         if c.verify_exposure:
             missing = sorted(r for r, i in infos.items() if not i.exposure_buckets)
             if missing:
@@ -516,6 +522,8 @@ class TransferSession:
                     "engines (or pass verify_exposure=False to trust it blindly)",
                     ("exposure",),
                 )
+        if c.transfer != "direct" and any(i.pack is not None for i in infos.values()):
+            await c.enable_packing()
         for r in infos:  # a rank linked before (lost, or restarted): forget its old agent first
             link = self.links.get(r)
             if link is not None:
@@ -583,6 +591,8 @@ class TransferSession:
                         dtype=np.int64,
                     )
                     link.check = RankCheck(backend.prep(link.agent, table, "DRAM"), info.exposure_buckets)
+                if info.pack is not None and self.consumer.staging is not None:
+                    link.directory = packed.directory_check(backend, link.agent, info.pack)
         except BaseException:
             for link in out.values():
                 self._drop(link)
@@ -612,10 +622,13 @@ class TransferSession:
         if backend is not None:
             if link.check is not None:
                 backend.release_dlist(link.check.dlist)
+            if link.directory is not None:
+                backend.release_dlist(link.directory.dlist)
             if not link.dropped:  # one reference per link: the agent may serve other sessions
                 backend.remove_remote(link.agent)
         link.dropped = True
         link.check = None
+        link.directory = None
         link.local = None
         link.broken = True
         if self.copier is not None:
@@ -784,12 +797,26 @@ class TransferSession:
         return transfer
 
     def path_for(self, prepared: Prepared) -> PathName:
-        """The path a prepared request takes: ``"copy"`` if every prefill rank it reads from
-        lives in this process (and the consumer allows it), else ``"push"`` for a consumer
-        in push mode, else ``"read"``."""
-        if self._copier_for(prepared) is not None:
+        """The path a prepared request takes: ``"packed"`` where the consumer's ``transfer``
+        picks the prefill ranks' packed copies, else ``"copy"`` if every prefill rank it reads
+        from lives in this process (and the consumer allows it), else ``"push"`` for a
+        consumer in push mode, else ``"read"`` (a packed pull may still fall back to direct
+        reads, when a prefill rank kept no copy of the request)."""
+        copier = self._copier_for(prepared)
+        if self._packs(prepared, copier):
+            return "packed"
+        if copier is not None:
             return "copy"
         return "push" if self.consumer.mode == "push" else "read"
+
+    def _packs(self, prepared: Prepared, copier: CopyPlan | None) -> bool:
+        c = self.consumer
+        if c.staging is None or c.mode == "push":
+            return False
+        packs = {r: link.info.pack if link.directory is not None else None for r, link in self.links.items()}
+        return packed.use_packed(c.transfer, prepared, packs, c.pack_threshold) and (
+            copier is None or c.transfer == "packed" or any(p and p.early for p in packs.values())
+        )
 
     def _copier_for(self, prepared: Prepared) -> CopyPlan | None:
         copier = self.copier
@@ -803,6 +830,8 @@ class TransferSession:
         """Start a prepared request on its path; returns the op and the ranks to notify once done."""
         c = self.consumer
         copier = self._copier_for(prepared)
+        if self._packs(prepared, copier):
+            return self._launch_packed(prepared, request_id, notice, generation)
         if copier is not None:
             launched = copier.launch(
                 prepared, request_id, plan.notify, check=c.verify_exposure, generation=generation
@@ -811,12 +840,26 @@ class TransferSession:
                 c.metrics.inc("transfers_failed")
                 raise launched.error
             return launched, plan.notify
+        read = self._direct(prepared, request_id, notice, generation)
+        failed = read.start()
+        if failed is not None:
+            self.mark_broken(failed.error, failed.rank)
+            c.reap()
+            c.metrics.inc("transfers_failed")
+            if c.reaper.holds(read):  # reads posted before the failure may still land
+                raise _Unsettled(failed.error, read)
+            raise failed.error
+        return read, prepared.standalone
+
+    def _direct(self, prepared: Prepared, request_id: str, notice: bytes, generation: int) -> NixlRead:
+        """The read path's op for a prepared request (not started)."""
+        c = self.consumer
         posts = [
             ReadPost(op.remote_rank, self.dlists[op.local_table], li, self.dlists[op.remote_table], ri)
             for op, li, ri in prepared.posts
         ]
         checks = {post.rank: self.links[post.rank].check for post in posts} if c.verify_exposure else None
-        read = NixlRead(
+        return NixlRead(
             c.backend,
             c.reaper,
             posts,
@@ -828,15 +871,48 @@ class TransferSession:
             pool=c.checks if c.verify_exposure else None,
             generation=generation,
         )
-        failed = read.start()
+
+    def _launch_packed(
+        self, prepared: Prepared, request_id: str, notice: bytes, generation: int
+    ) -> tuple[PathOp, tuple[int, ...]]:
+        """Start a prepared request on the packed path (see `akv.runtime.paths.packed`)."""
+        c = self.consumer
+        if c.staging is None or c.directories is None or self.remote_spec is None:
+            raise ClosedError("the consumer keeps no staging area for packed reads")
+        ranks = {op.remote_rank for op, _, _ in prepared.posts}
+        links = {
+            r: packed.PackedLink(r, link.agent, link.info.pack, link.directory)
+            for r, link in self.links.items()
+            if r in ranks and link.info.pack is not None and link.directory is not None
+        }
+        early = any(link.pack.early for link in links.values())
+        op = packed.PackedRead(
+            c.backend,
+            c.reaper,
+            request_id=request_id,
+            prepared=prepared,
+            generation=generation,
+            notice=notice,
+            links=links,
+            checks={r: self.links[r].check for r in ranks} if c.verify_exposure else None,
+            check_pool=c.checks if c.verify_exposure else None,
+            dir_pool=c.directories,
+            staging=c.staging,
+            views=c.pack_views,
+            local_spec=c.cache,
+            remote_spec=as_cache(self.remote_spec),
+            prefill_tp=self.prefill_tp,
+            direct=None if early else self._direct(prepared, request_id, notice, generation),
+        )
+        failed = op.start()
         if failed is not None:
             self.mark_broken(failed.error, failed.rank)
             c.reap()
             c.metrics.inc("transfers_failed")
-            if c.reaper.holds(read):  # reads posted before the failure may still land
-                raise _Unsettled(failed.error, read)
+            if c.reaper.holds(op):  # reads posted before the failure may still land
+                raise _Unsettled(failed.error, op)
             raise failed.error
-        return read, prepared.standalone
+        return op, prepared.standalone
 
     def _launch_push(self, prepared: Prepared, req: PullRequest) -> PushOp:
         """The grant of this pull's blocks to its writers (every prefill rank it reads from);

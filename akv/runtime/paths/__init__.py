@@ -10,6 +10,7 @@ ranks) when it is launched, and reports its outcome as a value.
 | --- | --- | --- |
 | ``"copy"`` | `akv.runtime.paths.copy` | every prefill rank the pull reads from lives in this process |
 | ``"push"`` | `akv.runtime.paths.push` | a consumer in push mode: the prefill ranks WRITE, layer by layer |
+| ``"packed"`` | `akv.runtime.paths.packed` | the prefill ranks keep packed copies (``transfer``): one READ per component and rank of the copy, then a torch scatter |
 | ``"read"`` | `akv.runtime.paths.read` | otherwise: NIXL READs of the paged runs |
 
 Every path keeps the guarantees of a pull: it reports success only if, once its bytes were
@@ -23,7 +24,7 @@ after destroying the agent (see `akv.runtime.consumer`): no write lands after co
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -35,9 +36,9 @@ from akv.errors import AkvError, UnsafeReadError
 
 __all__ = ["PATHS", "Failed", "PathName", "PathOp", "Pending", "unsafe"]
 
-PathName = Literal["copy", "read", "push"]
+PathName = Literal["copy", "read", "push", "packed"]
 #: Every path, in order of preference.
-PATHS: tuple[PathName, ...] = ("copy", "push", "read")
+PATHS: tuple[PathName, ...] = ("copy", "push", "packed", "read")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +68,23 @@ def unsafe(
     request_id: str,
     remote_ids: npt.NDArray[np.int32],
     read_ids: npt.NDArray[np.int32],
-    generation: int,
+    generation: int | Mapping[int, int],
+    packed: bool = False,
 ) -> UnsafeReadError | None:
     """The exposure check of a pull over the buckets read from each prefill rank (``(rank,
     bucket)`` pairs, read once its bytes were in place): None if every one still holds the
-    request's exposure, else the first typed error."""
+    request's exposure, else the first typed error. ``generation``: one for every rank, or
+    per rank (a packed read binds to each rank's own); ``packed``: see `akv.exposure.verify`."""
     for rank, bucket in buckets:
+        gen = generation if isinstance(generation, int) else generation.get(rank, 0)
         error = exposure.verify(
-            bucket, request_id, remote_ids, prefill_rank=rank, read_ids=read_ids, generation=generation
+            bucket,
+            request_id,
+            remote_ids,
+            prefill_rank=rank,
+            read_ids=read_ids,
+            generation=gen,
+            packed=packed,
         )
         if error is not None:
             return error

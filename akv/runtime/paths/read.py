@@ -8,9 +8,9 @@ notice, so the prefill rank cannot release before the check was read).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -20,16 +20,16 @@ from akv.backends import Backend, DlistHandle, Reaper, XferHandle
 from akv.errors import BackPressureError, ConfigError, PeerLostError, TransferError
 from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
 
-__all__ = ["CheckPool", "NixlRead", "RankCheck", "ReadPost"]
+__all__ = ["CheckPool", "NixlRead", "Post", "RankCheck", "ReadPost"]
 
 
 class CheckPool:
     """Registered landing slots for exposure-table buckets (one per check read in flight)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, words: int = exposure.SLOT_WORDS) -> None:
         if size < 1:
             raise ConfigError(f"max_checks must be >= 1, got {size}")
-        self.array = np.zeros((size, exposure.SLOTS, exposure.SLOT_WORDS), dtype=np.int64)
+        self.array = np.zeros((size, exposure.SLOTS, words), dtype=np.int64)
         self._free = list(range(size - 1, -1, -1))
         self.dlist: DlistHandle = None
 
@@ -63,6 +63,19 @@ class ReadPost:
     remote: DlistHandle
     remote_idx: npt.NDArray[np.int32]
 
+    def post(self, backend: Backend, notice: bytes) -> XferHandle:
+        """Post the READ."""
+        return backend.read(self.local, self.local_idx, self.remote, self.remote_idx, notice)
+
+
+class Post(Protocol):
+    """One READ of a request from one prefill rank, ready to post."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def post(self, backend: Backend, notice: bytes) -> XferHandle: ...
+
 
 @dataclass(frozen=True, slots=True)
 class RankCheck:
@@ -74,7 +87,9 @@ class RankCheck:
 
 class NixlRead:
     """One pull on the read path (see the module). ``checks`` None: no exposure check, the
-    data reads carry the notice."""
+    data reads carry the notice. ``generation``: one for every rank or per rank; ``packed``:
+    the posts read packed copies (`akv.exposure.verify`); ``on_settled``: called once no data
+    read can still land (at once, or after an abort, once NIXL released them all)."""
 
     path: PathName = "read"
 
@@ -82,7 +97,7 @@ class NixlRead:
         self,
         backend: Backend,
         reaper: Reaper,
-        posts: Sequence[ReadPost],
+        posts: Sequence[Post],
         *,
         request_id: str,
         remote_ids: npt.NDArray[np.int32],
@@ -90,7 +105,9 @@ class NixlRead:
         notice: bytes,
         checks: Mapping[int, RankCheck | None] | None,
         pool: CheckPool | None,
-        generation: int = 0,
+        generation: int | Mapping[int, int] = 0,
+        packed: bool = False,
+        on_settled: Callable[[], None] | None = None,
     ) -> None:
         self.backend = backend
         self.reaper = reaper
@@ -102,6 +119,9 @@ class NixlRead:
         self.checks = checks
         self.pool = pool
         self.generation = generation  # the exposure generation the pull is bound to (0: none)
+        self.packed = packed
+        self.on_settled = on_settled
+        self.owner: object = self  # whose handles the reaper holds (a path wrapping this read sets itself)
         self.checking = False
         self._ranks = frozenset(post.rank for post in posts)
         self._errored: XferHandle = None
@@ -119,7 +139,7 @@ class NixlRead:
         notice = b"" if self.checks is not None else self.notice
         for post in self.posts:
             try:
-                handle = self.backend.read(post.local, post.local_idx, post.remote, post.remote_idx, notice)
+                handle = post.post(self.backend, notice)
             except TransferError as exc:
                 self.abort()
                 return Failed(exc, post.rank)
@@ -141,6 +161,8 @@ class NixlRead:
                 changed = True
         if self._pending:
             return Pending(changed)
+        if not self.checking:
+            self._settle()
         if self.checks is None:
             self._forget()
             return None
@@ -193,7 +215,7 @@ class NixlRead:
         if pool is None:
             return None
         buckets = [(rank, pool.array[slot]) for rank, slot in self._slots.items()]
-        return unsafe(buckets, self.request_id, self.remote_ids, self.read_ids, self.generation)
+        return unsafe(buckets, self.request_id, self.remote_ids, self.read_ids, self.generation, self.packed)
 
     def _free_slots(self) -> None:
         if self.pool is not None:
@@ -201,11 +223,25 @@ class NixlRead:
                 self.pool.release(slot)
         self._slots.clear()
 
+    def _settle(self) -> None:
+        if self.on_settled is not None:
+            settled, self.on_settled = self.on_settled, None
+            settled()
+
     def abort(self) -> None:
         """Hand every handle in flight to the reaper, which holds it (and the check slot it may
-        still land in) until NIXL reports it finished; ``reaper.holds(self)`` says whether
-        anything of this pull may still land."""
+        still land in) until NIXL reports it finished; ``reaper.holds(self.owner)`` says whether
+        anything of this pull may still land (and ``on_settled`` runs once every data read is
+        finished and released)."""
         pool = self.pool
+        data = [h for h in self._pending] if not self.checking else []
+        left = [len(data)]
+
+        def one_gone() -> None:
+            left[0] -= 1
+            if not left[0]:
+                self._settle()
+
         for handle, rank in list(self._pending.items()):
             slot = self._slots.pop(rank, None) if self.checking else None
             then: Any = None
@@ -214,7 +250,11 @@ class NixlRead:
                 def then(slot: int = slot, pool: CheckPool = pool) -> None:
                     pool.release(slot)
 
-            self.reaper.drop(handle, then, owner=self, done=handle is self._errored)
+            elif not self.checking:
+                then = one_gone
+            self.reaper.drop(handle, then, owner=self.owner, done=handle is self._errored)
         self._pending.clear()
         self._free_slots()
         self._forget()
+        if not data:
+            self._settle()

@@ -1,0 +1,314 @@
+"""Packed copies of requests: the staging order, the pool they live in, their directory, and
+the torch gathers and scatters between a paged cache and a packed copy.
+
+A prefill rank that packs copies an exposed request's bytes, at ``expose()``, into one
+*slot* of a registered pool, in request-major order::
+
+    [group][component][unit][layer][token][run bytes]
+
+(``unit``: the component's units this rank holds; ``token``: every token of the exposed
+blocks, in sequence order; a state group has one "token", its slot). Each component's
+*section* starts on an `ALIGN` boundary. Any unit range of a component is then one
+contiguous run of the section for every decode TP size; after a partial prefix hit (decode
+reads a suffix of the tokens) one run per unit and layer. Tokens innermost keep a block's
+tokens of one unit and layer together, as per-layer HND caches and head-major ones hold
+them: the gathers and scatters then copy whole token runs.
+
+The *directory* is a small registered array, bucketed like the exposure table
+(`akv.exposure`), telling a reader where a request's slot is: ``(token, generation, offset,
+nbytes)`` per entry, ``token = hash47(request_id) << 16 | 1`` (0: empty). A reader reads its
+bucket first, then the runs, then the exposure table's bucket: the slot is freed only after
+the request's exposure was retired, so a successful exposure check (bound to the
+generation the directory named) proves the slot still held this request's copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from akv import exposure
+from akv.errors import ConfigError
+from akv.geometry.cache import CacheSpec
+from akv.geometry.layout import RankLayout
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ALIGN",
+    "DIR_WORDS",
+    "Arena",
+    "CacheViews",
+    "PackDirectory",
+    "Section",
+    "find",
+    "sections",
+]
+
+#: Byte alignment of slots and sections.
+ALIGN = 256
+#: int64 words per directory entry: token, generation, offset, nbytes.
+DIR_WORDS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One component of one group in a packed copy: ``[units][layers][tokens][run]`` bytes
+    from ``offset`` (relative to the slot's start)."""
+
+    group: int
+    component: int
+    offset: int
+    units: range  # the global units the packing rank holds
+    tokens: int
+    layers: int
+    run: int
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one unit (every token, every layer)."""
+        return self.tokens * self.layers * self.run
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the section."""
+        return len(self.units) * self.unit_bytes
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def sections(cache: CacheSpec, rank: int, tp_size: int, counts: Sequence[int]) -> tuple[list[Section], int]:
+    """The sections of a packed copy on ``rank`` of ``tp_size`` for a request exposing
+    ``counts[g]`` blocks of group ``g``, and the slot's size in bytes."""
+    out: list[Section] = []
+    offset = 0
+    for gi, g in enumerate(cache.groups):
+        m = counts[gi]
+        if not m:
+            continue
+        tokens = m * g.block_size if g.tokens else m
+        for ci, c in enumerate(g.components):
+            s = Section(
+                gi, ci, offset, c.held(rank, tp_size), tokens, len(g.layers), c.unit_elems * g.element_size
+            )
+            out.append(s)
+            offset = _align(offset + s.nbytes)
+    return out, offset
+
+
+def _width(*parts: int) -> int:
+    return next(w for w in (8, 4, 2, 1) if all(p % w == 0 for p in parts))
+
+
+def _dtype(width: int) -> Any:
+    import torch
+
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+
+
+class CacheViews:
+    """Strided views of one rank's paged regions, per (group, component): a list of
+    ``(first layer, layers, view)`` with view shape ``[blocks, tokens, layers, units, run/w]``
+    in the widest integer type ``w`` that every offset and stride allows (one view for all
+    layers when they share a region, else one per layer)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], layout: RankLayout) -> None:
+        self.tensors = list(tensors)
+        self.layout = layout
+        self._views: dict[tuple[int, int], tuple[int, list[tuple[int, int, Any]]]] = {}
+
+    def get(self, gi: int, ci: int) -> tuple[int, list[tuple[int, int, Any]]]:
+        """``(width, views)`` of component ``ci`` of group ``gi``."""
+        hit = self._views.get((gi, ci))
+        if hit is None:
+            hit = self._views[(gi, ci)] = self._build(gi, ci)
+        return hit
+
+    def _build(self, gi: int, ci: int) -> tuple[int, list[tuple[int, int, Any]]]:
+        import torch
+
+        gl = self.layout.groups[gi]
+        g, p = gl.group, gl.placements[ci]
+        nl = len(g.layers)
+        bs = g.block_size if g.tokens else 1
+        tensors = [self.tensors[r] for r in set(p.regions)]
+        w = _width(
+            p.offset,
+            p.block,
+            p.layer,
+            p.unit,
+            p.token,
+            p.run,
+            *(int(t.storage_offset()) * t.element_size() for t in tensors),
+            *(int(t.numel()) * t.element_size() for t in tensors),
+        )
+        dtype = _dtype(w)
+        shared = len(set(p.regions)) == 1 and (nl == 1 or p.layer != 0)
+        spans = [(0, nl)] if shared else [(i, 1) for i in range(nl)]
+        views = []
+        for l0, lk in spans:
+            tensor = self.tensors[p.regions[l0]]
+            flat = tensor.reshape(-1).view(torch.uint8).view(dtype)
+            views.append(
+                (
+                    l0,
+                    lk,
+                    torch.as_strided(
+                        flat,
+                        (g.num_blocks, bs, lk, len(p.units), p.run // w),
+                        (p.block // w, p.token // w, p.layer // w, p.unit // w, 1),
+                        flat.storage_offset() + (p.offset + l0 * p.layer) // w,
+                    ),
+                )
+            )
+        return w, views
+
+
+def _index(ids: npt.NDArray[Any], device: Any) -> Any:
+    import torch
+
+    host = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    return host if device.type != "cuda" else host.to(device, non_blocking=False)
+
+
+def gather(views: CacheViews, section: Section, block_ids: npt.NDArray[np.int32], slot: Any) -> None:
+    """Copy ``block_ids`` (the group's exposed blocks, in order) of one component into its
+    section of ``slot`` (a uint8 tensor of the slot's bytes)."""
+    w, spans = views.get(section.group, section.component)
+    g = views.layout.groups[section.group].group
+    bs = g.block_size if g.tokens else 1
+    out = slot[section.offset : section.offset + section.nbytes].view(_dtype(w))
+    units, m = len(section.units), len(block_ids)
+    out = out.view(units, section.layers, m, bs, section.run // w)
+    idx = _index(block_ids, out.device)
+    for l0, lk, view in spans:  # [m, bs, lk, U, r] gathered, written unit-major
+        out[:, l0 : l0 + lk].permute(2, 3, 1, 0, 4).copy_(view.index_select(0, idx))
+
+
+def scatter(
+    views: CacheViews,
+    gi: int,
+    ci: int,
+    local_units: range,
+    staged: Any,
+    blocks: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+) -> None:
+    """Write ``staged`` (uint8 bytes ``[units][layers][tokens][run]``) into the paged cache:
+    token ``k`` goes to block ``blocks[k]``, position ``positions[k]``; ``local_units`` are
+    global units this rank holds."""
+    w, spans = views.get(gi, ci)
+    gl = views.layout.groups[gi]
+    p = gl.placements[ci]
+    nl = len(gl.group.layers)
+    units, rw = len(local_units), p.run // w
+    src = staged.view(_dtype(w)).view(units, nl, len(blocks), rw)
+    u0 = local_units.start - p.units.start
+    device = staged.device
+    bs = gl.group.block_size if gl.group.tokens else 1
+    whole = len(blocks) % bs == 0 and np.array_equal(positions, np.tile(np.arange(bs), len(blocks) // bs))
+    if whole:  # whole blocks: one index copy along the block axis per span
+        bi = _index(blocks[::bs], device)
+        for l0, lk, view in spans:
+            values = src[:, l0 : l0 + lk].reshape(units, lk, len(bi), bs, rw).permute(2, 3, 1, 0, 4)
+            view[:, :, :, u0 : u0 + units].index_copy_(0, bi, values)
+        return
+    bi, pi = _index(blocks, device), _index(positions, device)
+    for l0, lk, view in spans:
+        target = view[:, :, :, u0 : u0 + units]
+        target.index_put_((bi, pi), src[:, l0 : l0 + lk].permute(2, 1, 0, 3))
+
+
+class Arena:
+    """A first-fit allocator of `ALIGN`-aligned byte ranges in ``[0, size)``."""
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ConfigError(f"a pool size must be >= 0 bytes, got {size}")
+        self.size = size - size % ALIGN
+        self._free: list[tuple[int, int]] = [(0, self.size)] if self.size else []
+        self._used: dict[int, int] = {}
+
+    @property
+    def used(self) -> int:
+        """Bytes allocated."""
+        return sum(self._used.values())
+
+    @property
+    def allocations(self) -> int:
+        """Ranges allocated and not freed."""
+        return len(self._used)
+
+    def alloc(self, nbytes: int) -> int | None:
+        """The offset of a free range of ``nbytes`` (rounded up to `ALIGN`), or None if none is."""
+        n = _align(max(nbytes, 1))
+        for i, (start, length) in enumerate(self._free):
+            if length >= n:
+                if length == n:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + n, length - n)
+                self._used[start] = n
+                return start
+        return None
+
+    def free(self, offset: int) -> None:
+        """Return a range (exactly once: a second free of one offset raises ConfigError)."""
+        n = self._used.pop(offset, None)
+        if n is None:
+            raise ConfigError(f"pool range at {offset} is not allocated")
+        self._free.append((offset, n))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._free = merged
+
+
+class PackDirectory:
+    """Where each packed request's slot is (the array is registered with NIXL)."""
+
+    def __init__(self, buckets: int) -> None:
+        if buckets < 1:
+            raise ConfigError(f"directory buckets must be >= 1, got {buckets}")
+        self.buckets = buckets
+        self.array = np.zeros((buckets, exposure.SLOTS, DIR_WORDS), dtype=np.int64)
+
+    def publish(self, request_id: str, generation: int, offset: int, nbytes: int) -> bool:
+        """Record a packed copy; False if the request's bucket is full (the request is not packed)."""
+        h = exposure.request_hash(request_id)
+        rows = self.array[h % self.buckets]
+        free = np.flatnonzero(((rows[:, 0] >> 16) == h) | (rows[:, 0] == 0))
+        if not free.size:
+            return False
+        row = rows[free[0]]
+        row[0] = 0
+        row[1], row[2], row[3] = generation, offset, nbytes
+        row[0] = h << 16 | 1
+        return True
+
+    def retire(self, request_id: str) -> None:
+        """Forget a request's packed copy (before its slot is freed)."""
+        h = exposure.request_hash(request_id)
+        rows = self.array[h % self.buckets]
+        rows[(rows[:, 0] >> 16) == h] = 0
+
+
+def find(bucket: npt.NDArray[np.int64], request_id: str) -> tuple[int, int, int] | None:
+    """``(generation, offset, nbytes)`` of a request's packed copy in a directory bucket read
+    from a prefill rank, or None if it has none."""
+    rows = np.asarray(bucket, dtype=np.int64).reshape(exposure.SLOTS, DIR_WORDS)
+    mine = rows[rows[:, 0] == (exposure.request_hash(request_id) << 16 | 1)]
+    if not mine.size:
+        return None
+    return int(mine[0, 1]), int(mine[0, 2]), int(mine[0, 3])

@@ -1,0 +1,152 @@
+"""The prefill side of packed transfers: a bounded staging pool registered once, filled at
+``expose()`` with a request-major copy of the request (see `akv.packing`).
+
+Pool full (or the request's directory bucket full): the request is not packed, it is read
+directly from the paged blocks (counted as ``pack_fallbacks``, logged); a decode rank that
+looks it up in the directory falls back to direct reads for it. A slot is freed exactly once:
+when its exposure is released (read, lease expiry, close), after the exposure was retired.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from akv.errors import ConfigError
+from akv.geometry.cache import CacheSpec
+from akv.geometry.layout import rank_layout
+from akv.packing import Arena, CacheViews, PackDirectory, gather, sections
+from akv.protocol.messages import PackInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TRANSFERS", "Packer", "TransferMode", "check_transfer", "fragmented"]
+
+TransferMode = Literal["auto", "direct", "packed"]
+TRANSFERS: tuple[TransferMode, ...] = ("auto", "direct", "packed")
+
+
+def check_transfer(transfer: str) -> TransferMode:
+    """A valid ``transfer`` option, or ConfigError."""
+    for known in TRANSFERS:
+        if transfer == known:
+            return known
+    raise ConfigError(f"transfer must be 'auto', 'direct' or 'packed', got {transfer!r}")
+
+
+def fragmented(cache: CacheSpec, rank: int, tp_size: int) -> bool:
+    """True if one unit of one block (every layer, component and token) is more than one
+    contiguous run on this rank's layout: what ``transfer="auto"`` packs."""
+    layout = rank_layout(cache, rank, tp_size)
+    for gl in layout.groups:
+        g = gl.group
+        bs = g.block_size if g.tokens else 1
+        atoms = []
+        for p in gl.placements:
+            for i, region in enumerate(p.regions):
+                for t in range(bs):
+                    atoms.append((region, p.offset + i * p.layer + t * p.token, p.run))
+        atoms.sort()
+        runs = 1 + sum(1 for a, b in itertools.pairwise(atoms) if a[0] != b[0] or a[1] + a[2] != b[1])
+        if runs > 1:
+            return True
+    return False
+
+
+class Packer:
+    """One prefill rank's packing: pool, directory, views of the paged cache."""
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        cache: CacheSpec,
+        rank: int,
+        tp_size: int,
+        pool_bytes: int,
+        buckets: int,
+        early: bool,
+    ) -> None:
+        import torch
+
+        if pool_bytes < 1:
+            raise ConfigError(f"pack_pool_bytes must be > 0, got {pool_bytes}")
+        self.cache = cache
+        self.rank = rank
+        self.tp_size = tp_size
+        self.early = early
+        self.arena = Arena(pool_bytes)
+        if not self.arena.size:
+            raise ConfigError(f"pack_pool_bytes must be at least 256, got {pool_bytes}")
+        device = kv_caches[0].device
+        self.pool = torch.empty(self.arena.size, dtype=torch.uint8, device=device)
+        self.directory = PackDirectory(buckets)
+        self.views = CacheViews(kv_caches, rank_layout(cache, rank, tp_size))
+        self._stream: Any = None  # the CUDA side stream of the gathers
+        self.slots: dict[str, int] = {}  # request -> slot offset
+        self.packed_bytes = 0
+
+    def info(self, mem_type: str, device_id: int) -> PackInfo:
+        """What the handshake tells decode ranks."""
+        return PackInfo(
+            pool_addr=int(self.pool.data_ptr()),
+            pool_bytes=self.arena.size,
+            mem_type=mem_type,
+            device_id=device_id,
+            directory_addr=int(self.directory.array.ctypes.data),
+            directory_buckets=self.directory.buckets,
+            early=self.early,
+        )
+
+    def pack(self, request_id: str, per_group: Sequence[npt.NDArray[np.int32]], generation: int) -> bool:
+        """Copy an exposed request into a slot and publish it; False if there was no room."""
+        import torch
+
+        secs, size = sections(self.cache, self.rank, self.tp_size, [len(ids) for ids in per_group])
+        offset = self.arena.alloc(size)
+        if offset is None:
+            return False
+        slot = self.pool[offset : offset + size]
+        stream: Any = None
+        if slot.is_cuda:  # one side stream, ordered after the work queued on the current one
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(slot.device)  # type: ignore[no-untyped-call]
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(slot.device))
+        try:
+            with torch.cuda.stream(stream) if stream is not None else _null():
+                for s in secs:
+                    gather(self.views, s, per_group[s.group], slot)
+            if stream is not None:
+                stream.synchronize()
+        except Exception:
+            self.arena.free(offset)
+            raise
+        if not self.directory.publish(request_id, generation, offset, size):
+            self.arena.free(offset)
+            return False
+        self.slots[request_id] = offset
+        self.packed_bytes += size
+        return True
+
+    def drop(self, request_id: str) -> bool:
+        """Retire a request's copy and free its slot (once: later calls do nothing); True if
+        it had one."""
+        offset = self.slots.pop(request_id, None)
+        if offset is None:
+            return False
+        self.directory.retire(request_id)
+        self.arena.free(offset)
+        return True
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,545 @@
+"""The packed path: read a prefill rank's packed copy of the request (`akv.packing`) into a
+local staging area with a few descriptors, check the exposure, then scatter with torch.
+
+Stages of one pull:
+
+1. ``locating``: one small READ per prefill rank of its directory bucket: where the
+   request's slot is and which exposure (generation) it copies. A rank with no copy (its
+   pool was full) makes the whole pull fall back to the read path (``path`` becomes
+   ``"read"``), as does a full local staging pool (unless a rank already released the
+   paged blocks after packing: then `BackPressureError`).
+2. ``reading``: one READ per prefill rank into the staging area: per (group, component)
+   one descriptor for the unit range this rank needs, or one per unit and layer after a
+   partial prefix hit; then the exposure check of the read path (`NixlRead`, the "done" notice riding on
+   it), bound to the generation the directory named: the slot is freed only after its
+   exposure was retired, so a passing check proves the bytes read were this request's.
+3. ``scattering``: torch writes the staged bytes into the paged cache, whatever its layout
+   and block size; the staging range is freed (exactly once, also on failure or abort:
+   then only once NIXL released every read that may still land in it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from akv import exposure
+from akv.backends import Backend, Reaper, XferHandle
+from akv.errors import AkvError, BackPressureError, ConfigError, IncompatiblePeerError, TransferError
+from akv.geometry.cache import CacheSpec
+from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, sections
+from akv.protocol.messages import PackInfo
+from akv.runtime.paths import Failed, Outcome, PathName, Pending
+from akv.runtime.paths.read import CheckPool, NixlRead, RankCheck
+
+if TYPE_CHECKING:
+    import torch
+
+    from akv.plan import Prepared
+
+__all__ = [
+    "AUTO_DESCRIPTORS",
+    "AUTO_RUN_BYTES",
+    "DescPost",
+    "PackedLink",
+    "PackedRead",
+    "StagingPool",
+    "use_packed",
+]
+
+#: ``transfer="auto"``: a pull whose direct read would post more descriptors than this, of
+#: fewer than `AUTO_RUN_BYTES` bytes on average, reads the packed copy instead (measured with
+#: scripts/packed_threshold.py on DRAM: docs/performance.md#packed-transfers).
+AUTO_DESCRIPTORS = 1024
+#: ... and the mean run below which descriptors cost more than the packed copy's scatter.
+AUTO_RUN_BYTES = 2048
+
+#: DRAM pulls of at least this many bytes are scattered in the staging pool's worker thread.
+WORKER_BYTES = 32 << 20
+
+#: Bytes of one directory bucket.
+DIR_BUCKET_BYTES = exposure.SLOTS * DIR_WORDS * 8
+
+
+class StagingPool:
+    """The decode side's registered staging area for packed reads (on the caches' device)."""
+
+    def __init__(self, size: int, like: torch.Tensor) -> None:
+        import torch
+
+        if size < 256:
+            raise ConfigError(f"pack_staging_bytes must be >= 256, got {size}")
+        self.arena = Arena(size)
+        self.tensor = torch.empty(self.arena.size, dtype=torch.uint8, device=like.device)
+        self.mem_type = "VRAM" if like.is_cuda else "DRAM"
+        self.device_id = int(like.device.index or 0) if like.is_cuda else 0
+        self._worker: ThreadPoolExecutor | None = None
+
+    @property
+    def addr(self) -> int:
+        """Address of the staging area's first byte."""
+        return int(self.tensor.data_ptr())
+
+    def worker(self) -> ThreadPoolExecutor:
+        """The thread that scatters large DRAM pulls (torch releases the GIL meanwhile)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="akv-scatter")
+        return self._worker
+
+    def close(self) -> None:
+        """Stop the worker once its scatters are done."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLink:
+    """A prefill rank that packs: its agent, pool and prepared directory."""
+
+    rank: int
+    agent: str
+    pack: PackInfo
+    directory: RankCheck
+
+
+@dataclass(frozen=True, slots=True)
+class DescPost:
+    """One READ of a packed copy from one prefill rank: ``(addr, len, device)`` rows."""
+
+    rank: int
+    agent: str
+    local: npt.NDArray[np.int64]
+    local_mem: str
+    remote: npt.NDArray[np.int64]
+    remote_mem: str
+
+    def post(self, backend: Backend, notice: bytes) -> XferHandle:
+        """Post the READ."""
+        return backend.read_descs(
+            self.agent, self.local, self.local_mem, self.remote, self.remote_mem, notice
+        )
+
+
+def directory_check(backend: Backend, agent: str, pack: PackInfo) -> RankCheck:
+    """A prefill rank's packed-copy directory, prepared (one descriptor per bucket)."""
+    table = np.array(
+        [[pack.directory_addr, DIR_BUCKET_BYTES, 0, DIR_BUCKET_BYTES, pack.directory_buckets]], dtype=np.int64
+    )
+    return RankCheck(backend.prep(agent, table, "DRAM"), pack.directory_buckets)
+
+
+def use_packed(
+    transfer: str, prepared: Prepared, packs: Mapping[int, PackInfo | None], threshold: int
+) -> bool:
+    """Whether a prepared pull reads packed copies: always for ``"packed"``, never for
+    ``"direct"``; ``"auto"``: when every rank read from packs and either one of them released
+    its blocks after packing or the direct read would post more than ``threshold``
+    descriptors of fewer than `AUTO_RUN_BYTES` bytes on average."""
+    ranks = {op.remote_rank for op, _, _ in prepared.posts}
+    if not ranks or transfer == "direct":
+        return False
+    if transfer == "packed":
+        return True
+    infos = [packs.get(r) for r in ranks]
+    if any(i is None for i in infos):
+        return False
+    if any(i.early for i in infos if i is not None):
+        return True
+    small = prepared.bytes < AUTO_RUN_BYTES * prepared.descriptors
+    return small and prepared.descriptors > threshold
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One (group, component, prefill rank) share of a pull: where it is staged and where its
+    tokens go."""
+
+    group: int
+    component: int
+    rank: int
+    local_units: range
+    remote_units: range
+    first: int  # first token read, in the packed copy
+    tokens: int
+    offset: int  # in the pull's staging range
+    nbytes: int
+    blocks: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+
+
+class PackedRead:
+    """One pull on the packed path (see the module)."""
+
+    path: PathName = "packed"
+
+    def __init__(
+        self,
+        backend: Backend,
+        reaper: Reaper,
+        *,
+        request_id: str,
+        prepared: Prepared,
+        generation: int,
+        notice: bytes,
+        links: Mapping[int, PackedLink],
+        checks: Mapping[int, RankCheck | None] | None,
+        check_pool: CheckPool | None,
+        dir_pool: CheckPool,
+        staging: StagingPool,
+        views: CacheViews,
+        local_spec: CacheSpec,
+        remote_spec: CacheSpec,
+        prefill_tp: int,
+        direct: NixlRead | None,
+    ) -> None:
+        self.backend = backend
+        self.reaper = reaper
+        self.request_id = request_id
+        self.prepared = prepared
+        self.generation = generation
+        self.notice = notice
+        self.links = links
+        self.checks = checks
+        self.check_pool = check_pool
+        self.dir_pool = dir_pool
+        self.staging = staging
+        self.views = views
+        self.local_spec = local_spec
+        self.remote_spec = remote_spec
+        self.prefill_tp = prefill_tp
+        self.direct = direct
+        if direct is not None:
+            direct.owner = self  # a fallback's reads land in the paged blocks: the pull holds them
+        self.read: NixlRead | None = None
+        self.fallback: NixlRead | None = None
+        self._descriptors = 0  # posted to read the packed copies
+        self.scatter_s = 0.0
+        self._ranks = frozenset(op.remote_rank for op, _, _ in prepared.posts)
+        self._lookups: dict[XferHandle, int] = {}
+        self._dir_slots: dict[int, int] = {}
+        self._items: list[_Item] = []
+        self._staged: int | None = None  # offset of the pull's staging range
+        self._landed = False
+        self._aborted = False
+        self._job: concurrent.futures.Future[float] | None = None  # a scatter in the worker
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors the pull posted: the packed copies' runs, or the direct read's after a
+        fallback."""
+        return self.prepared.descriptors if self.fallback is not None else self._descriptors
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        """The prefill ranks read from (those of the direct read after a fallback)."""
+        if self.fallback is not None:
+            return self.fallback.ranks
+        return self._ranks
+
+    # -- stages ---------------------------------------------------------------------------
+
+    def start(self) -> Failed | None:
+        """Look up the request's packed copy on every prefill rank read from."""
+        h = exposure.request_hash(self.request_id)
+        for rank in sorted(self._ranks):
+            link = self.links.get(rank)
+            if link is None:
+                return self._fall_back(f"prefill rank {rank} keeps no packed copies")
+            try:
+                slot = self.dir_pool.acquire()
+            except BackPressureError as exc:
+                self.abort()
+                return Failed(exc)
+            self._dir_slots[rank] = slot
+            try:
+                handle = self.backend.read(
+                    self.dir_pool.dlist,
+                    np.array([slot], dtype=np.int32),
+                    link.directory.dlist,
+                    np.array([h % link.directory.buckets], dtype=np.int32),
+                    b"",
+                )
+            except TransferError as exc:
+                self.abort()
+                return Failed(exc, rank)
+            self._lookups[handle] = rank
+        return None
+
+    def poll(self) -> Outcome:
+        """Advance the stage the pull is in; never raises."""
+        if self.fallback is not None:
+            return self.fallback.poll()
+        if self.read is None:
+            changed = False
+            for handle, rank in list(self._lookups.items()):
+                try:
+                    done = self.backend.state(handle) == "DONE"
+                except TransferError as exc:
+                    return Failed(exc, rank)
+                if done:
+                    del self._lookups[handle]
+                    self.reaper.drop(handle)
+                    changed = True
+            if self._lookups:
+                return Pending(changed)
+            failed = self._post_reads()
+            if failed is not None:
+                return failed
+            return self.poll()
+        outcome = self.read.poll()
+        if outcome is not None:
+            return outcome
+        return self._scatter()
+
+    def _post_reads(self) -> Failed | None:
+        """Plan the runs from the directory entries, stage, post the reads (or fall back)."""
+        entries: dict[int, tuple[int, int, int]] = {}
+        for rank, slot in self._dir_slots.items():
+            entry = find(self.dir_pool.array[slot], self.request_id)
+            if entry is None:
+                self._free_dir_slots()
+                return self._fall_back(f"prefill rank {rank} has no packed copy of it (its pool was full)")
+            entries[rank] = entry
+        self._free_dir_slots()
+        gens: dict[int, int] = {}
+        for rank, (gen, _, _) in entries.items():
+            if self.generation and gen != self.generation & exposure.GENERATION_MASK:
+                gens[rank] = self.generation  # the exposure check names the re-exposure
+            else:
+                gens[rank] = gen
+        try:
+            rows = self._plan(entries)
+        except TransferError as exc:
+            return Failed(exc)
+        total = sum(item.nbytes for item in self._items)
+        offset = self.staging.arena.alloc(total)
+        if offset is None:
+            if any(self.links[r].pack.early for r in entries):
+                return Failed(
+                    BackPressureError(
+                        f"the packed staging pool has no {total} bytes free for request "
+                        f"{self.request_id!r}: pull again later, or raise pack_staging_bytes"
+                    )
+                )
+            return self._fall_back("the packed staging pool is full")
+        self._staged = offset
+        base = self.staging.addr + offset
+        posts = []
+        for rank in sorted(entries):
+            local, remote = rows[rank]
+            if not local:
+                continue
+            ltab = np.array(local, dtype=np.int64)
+            ltab[:, 0] += base
+            rtab = np.array(remote, dtype=np.int64)
+            self._descriptors += len(ltab)
+            link = self.links[rank]
+            posts.append(DescPost(rank, link.agent, ltab, self.staging.mem_type, rtab, link.pack.mem_type))
+        self.read = NixlRead(
+            self.backend,
+            self.reaper,
+            posts,
+            request_id=self.request_id,
+            remote_ids=self.prepared.remote_ids,
+            read_ids=self.prepared.read_ids,
+            notice=self.notice,
+            checks=self.checks,
+            pool=self.check_pool,
+            generation=gens,
+            packed=True,
+            on_settled=self._on_landed,
+        )
+        self.read.owner = self  # the consumer asks the reaper whether this pull may still land
+        return self.read.start()
+
+    def _plan(
+        self, entries: Mapping[int, tuple[int, int, int]]
+    ) -> dict[int, tuple[list[list[int]], list[list[int]]]]:
+        """Items of the pull and, per prefill rank, its rows: local ``(offset in the staging
+        range, len, device)`` and remote ``(addr, len, device)``."""
+        lc, rc, p = self.local_spec, self.remote_spec, self.prepared
+        counts = list(p.remote_counts)
+        layout: dict[int, dict[tuple[int, int], Section]] = {}
+        for rank, (_, _, nbytes) in entries.items():
+            secs, size = sections(rc, rank, self.prefill_tp, counts)
+            if size != nbytes:
+                raise TransferError(
+                    f"prefill rank {rank}'s packed copy of {self.request_id!r} has {nbytes} bytes, "
+                    f"{size} expected: the engines disagree on the cache"
+                )
+            layout[rank] = {(s.group, s.component): s for s in secs}
+        gindex = {g.name: i for i, g in enumerate(lc.groups)}
+        rows: dict[int, tuple[list[list[int]], list[list[int]]]] = {r: ([], []) for r in entries}
+        at = 0
+        for read in p.reads.detail:
+            gi = gindex[read.group]
+            ch = p.chunks[gi]
+            if not ch.size or read.remote_rank not in entries:
+                continue
+            lg, rg = lc.groups[gi], rc.groups[gi]
+            ci = next(i for i, c in enumerate(lg.components) if c.name == read.component)
+            sec = layout[read.remote_rank][(gi, ci)]
+            if lg.tokens:
+                bl, br = lg.block_size, rg.block_size
+                g = min(bl, br)
+                pos0 = (
+                    ch.pattern.astype(np.int64) * g
+                    if ch.pattern is not None and bl > br
+                    else np.zeros(ch.size, np.int64)
+                )
+            else:
+                g, pos0 = 1, np.zeros(ch.size, np.int64)
+            tokens = ch.size * g
+            blocks = np.repeat(ch.local.astype(np.int64), g)
+            positions = np.repeat(pos0, g) + np.tile(np.arange(g, dtype=np.int64), ch.size)
+            units = len(read.remote_units)
+            nbytes = units * tokens * sec.layers * sec.run
+            item = _Item(
+                gi,
+                ci,
+                read.remote_rank,
+                read.local_units,
+                read.remote_units,
+                ch.offset,
+                tokens,
+                at,
+                nbytes,
+                blocks,
+                positions,
+            )
+            self._items.append(item)
+            slot_off = entries[read.remote_rank][1]
+            pack = self.links[read.remote_rank].pack
+            start = (
+                pack.pool_addr
+                + slot_off
+                + sec.offset
+                + (read.remote_units.start - sec.units.start) * sec.unit_bytes
+            )
+            if ch.offset + tokens > sec.tokens:
+                raise TransferError(f"request {self.request_id!r}: tokens read lie outside the packed copy")
+            local, remote = rows[read.remote_rank]
+            if ch.offset == 0 and tokens == sec.tokens:
+                local.append([at, nbytes, self.staging.device_id])
+                remote.append([start, nbytes, pack.device_id])
+            else:  # a suffix of the tokens: one run per unit and layer
+                run, layer = tokens * sec.run, sec.tokens * sec.run
+                for k in range(units):
+                    for i in range(sec.layers):
+                        local.append([at + (k * sec.layers + i) * run, run, self.staging.device_id])
+                        remote.append(
+                            [
+                                start + k * sec.unit_bytes + i * layer + ch.offset * sec.run,
+                                run,
+                                pack.device_id,
+                            ]
+                        )
+            at += -(-nbytes // 256) * 256
+        return rows
+
+    def _scatter(self) -> Outcome:
+        """Write the verified staged bytes into the paged cache (DRAM pulls of at least
+        `WORKER_BYTES` in the staging pool's worker thread, so the poller runs on); free the
+        staging range once done."""
+        if self._job is None:
+            base = self._staged
+            if base is None:  # pragma: no cover - the reads were posted into a staging range
+                return Failed(TransferError(f"request {self.request_id!r} has no staging range"))
+            total = sum(item.nbytes for item in self._items)
+            if self.staging.tensor.is_cuda or total < WORKER_BYTES:
+                return self._scattered(self._scatter_all, base)
+            self._job = self.staging.worker().submit(self._scatter_all, base)
+        if not self._job.done():
+            return Pending()
+        job, self._job = self._job, None
+        return self._scattered(job.result)
+
+    def _scattered(self, run: Callable[..., float], *args: Any) -> Outcome:
+        """The outcome of the scatter ``run(*args)`` (seconds it took, or an error)."""
+        try:
+            self.scatter_s = run(*args)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            self._free_staging()
+            return Failed(TransferError(f"scattering request {self.request_id!r} failed: {exc}"))
+        self._free_staging()
+        return None
+
+    def _scatter_all(self, base: int) -> float:
+        """Scatter every item staged from ``base``; returns the seconds it took."""
+        import torch
+
+        started = time.perf_counter()
+        for item in self._items:
+            staged = self.staging.tensor[base + item.offset : base + item.offset + item.nbytes]
+            scatter(
+                self.views, item.group, item.component, item.local_units, staged, item.blocks, item.positions
+            )
+        if self.staging.tensor.is_cuda:
+            torch.cuda.current_stream(self.staging.tensor.device).synchronize()
+        return time.perf_counter() - started
+
+    # -- fallback and cleanup ---------------------------------------------------------------
+
+    def _fall_back(self, why: str) -> Failed | None:
+        """Read the paged blocks instead (the read path), if the pull may."""
+        if self.direct is None:
+            return Failed(TransferError(f"request {self.request_id!r} cannot be read packed: {why}"))
+        self.path = "read"
+        self.fallback = self.direct
+        return self.fallback.start()
+
+    def _on_landed(self) -> None:
+        self._landed = True
+        if self._aborted:
+            self._free_staging()
+
+    def _free_staging(self) -> None:
+        if self._staged is not None:
+            self.staging.arena.free(self._staged)
+            self._staged = None
+
+    def _free_dir_slots(self) -> None:
+        for slot in self._dir_slots.values():
+            self.dir_pool.release(slot)
+        self._dir_slots.clear()
+
+    def abort(self) -> None:
+        """Release every handle; directory and staging ranges go back once nothing can land in them."""
+        self._aborted = True
+        if self._job is not None:  # a scatter in flight: none writes after this returns
+            concurrent.futures.wait([self._job])
+            self._job = None
+        for handle, rank in list(self._lookups.items()):
+            slot = self._dir_slots.pop(rank, None)
+            then: Any = None
+            if slot is not None:
+
+                def then(slot: int = slot, pool: CheckPool = self.dir_pool) -> None:
+                    pool.release(slot)
+
+            self.reaper.drop(handle, then, owner=self)
+        self._lookups.clear()
+        self._free_dir_slots()
+        if self.fallback is not None:
+            self.fallback.abort()
+        if self.read is not None:
+            self.read.abort()  # runs _on_landed once its data reads are released
+        if self.read is None or self._landed:
+            self._free_staging()
+
+
+def error_for(ranks: Sequence[int], engine: str) -> AkvError:
+    """The error for ``transfer="packed"`` against prefill ranks that do not pack."""
+    return IncompatiblePeerError(
+        f"prefill ranks {sorted(ranks)} of engine {engine!r} keep no packed copies: start them with "
+        "transfer='packed' (--transfer packed), or pull with transfer='auto' or 'direct'",
+        ("transfer",),
+    )

@@ -1,0 +1,390 @@
+"""Packed transfers: prefill ranks stage each request contiguously, decode ranks read the
+staged copy with a few descriptors and scatter it, through real NIXL agents on DRAM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pytest
+
+import akv
+from akv.backends import XferHandle, XferState
+from akv.backends.nixl import NixlBackend
+from akv.geometry.cache import as_cache
+from akv.runtime.paths.packed import WORKER_BYTES
+from akv.testing import fill_request, local_counts, make_requests, verify_request
+from tests.conftest import make_spec, wait_for
+from tests.test_paths import PAIRS
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Prefill:
+    producers: list[akv.Producer]
+    endpoint: str
+    releases: Counter[tuple[str, str]] = field(default_factory=Counter)
+    blocks_back: list[tuple[str, str]] = field(default_factory=list)
+
+
+@asynccontextmanager
+async def prefill_engine(spec: Any, tp: int, lease: float = 30.0, **kw: Any) -> AsyncIterator[Prefill]:
+    """``tp`` prefill ranks of this process behind one control server, packing as ``kw`` says."""
+    async with AsyncExitStack() as stack:
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        server = akv.ControlServer()
+        engine = Prefill([], str(await tg.start(server.serve)))
+
+        def on_release(rel: akv.Release) -> None:
+            engine.releases[(rel.request_id, rel.reason)] += 1
+
+        for r in range(tp):
+            engine.producers.append(
+                await stack.enter_async_context(
+                    akv.Producer(
+                        akv.allocate_kv_cache(spec, r, tp),
+                        spec,
+                        tp_rank=r,
+                        tp_size=tp,
+                        server=server,
+                        lease=lease,
+                        on_release=on_release,
+                        **kw,
+                    )
+                )
+            )
+        yield engine
+        tg.cancel_scope.cancel()
+
+
+def expose_all(engine: Prefill, spec: Any, reqs: list[Any]) -> None:
+    """Fill and expose ``reqs`` on every rank of ``engine``."""
+    for req in reqs:
+        for prod in engine.producers:
+            tp = len(engine.producers)
+            fill_request(prod.kv_caches, spec, prod.tp_rank, tp, req.block_ids, req.seed, req.num_tokens)
+            prod.expose(req.request_id, req.block_ids)
+
+
+def local_ids(dspec: Any, req: Any, n: int, hit: int) -> Any:
+    """Decode block ids for request ``n`` after a prefix hit of ``hit`` blocks."""
+    counts = local_counts(dspec, req.num_tokens, hit=hit)
+    cache = as_cache(dspec)
+    local: Any = {g.name: list(range(n * 8, n * 8 + counts[g.name])) for g in cache.groups}
+    return local[cache.groups[0].name] if len(cache.groups) == 1 else local
+
+
+async def pull_all(
+    pspec: Any,
+    dspec: Any,
+    p: int,
+    d: int,
+    mode: str,
+    requests: int = 2,
+    consumer_kw: dict[str, Any] | None = None,
+    **kw: Any,
+) -> tuple[list[akv.TransferResult], Prefill]:
+    """Pull ``requests`` requests on each of ``d`` decode ranks (the second after a one-block
+    prefix hit) with ``transfer=mode``; verify every byte."""
+    reqs = make_requests(pspec, requests, 3, seed=11)
+    results = []
+    async with prefill_engine(pspec, p, **kw) as engine, AsyncExitStack() as stack:
+        expose_all(engine, pspec, reqs)
+        for r in range(d):
+            consumer = await stack.enter_async_context(
+                akv.Consumer(
+                    akv.allocate_kv_cache(dspec, r, d),
+                    dspec,
+                    tp_rank=r,
+                    tp_size=d,
+                    same_process="nixl",
+                    transfer=mode,
+                    **(consumer_kw or {}),
+                )
+            )
+            session = await consumer.connect(engine.endpoint)
+            for n, req in enumerate(reqs):
+                local = local_ids(dspec, req, n, n % 2)
+                transfer_ = await session.pull(
+                    akv.PullRequest(
+                        request_id=req.request_id,
+                        local_block_ids=local,
+                        remote_block_ids=req.block_ids,
+                        num_tokens=req.num_tokens,
+                    )
+                )
+                results.append(await transfer_)
+                assert verify_request(
+                    consumer.kv_caches, dspec, r, d, local, req.seed, num_tokens=req.num_tokens
+                ), (req.request_id, r)
+        await wait_for(lambda: sum(engine.releases.values()) >= p * requests, timeout=10)
+    return results, engine
+
+
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+async def test_packed_pulls_are_bit_exact(pspec: Any, dspec: Any, p: int, d: int) -> None:
+    """A packed pull fills the decode cache bit-exact (every TP pairing, MLA, hybrid groups,
+    mixed layouts and block sizes, a partial prefix hit), moving the bytes a direct one
+    moves, with the same releases."""
+    packed, engine = await pull_all(pspec, dspec, p, d, "packed", transfer="packed")
+    direct, _ = await pull_all(pspec, dspec, p, d, "direct", transfer="packed")
+    assert {r.path for r in packed} == {"packed"} and {r.path for r in direct} == {"read"}
+    assert [r.bytes for r in packed] == [r.bytes for r in direct]
+    assert {why for _, why in engine.releases} == {"read"} and set(engine.releases.values()) == {p}
+
+
+class SlowPackedReads(NixlBackend):
+    """The real backend; packed-copy reads report "PROC" until ``go`` is set."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.go = anyio.Event()
+        self.held: set[XferHandle] = set()
+
+    def read_descs(self, *args: Any) -> XferHandle:
+        handle = super().read_descs(*args)
+        self.held.add(handle)
+        return handle
+
+    def state(self, handle: XferHandle) -> XferState:
+        done = super().state(handle)
+        return "PROC" if handle in self.held and not self.go.is_set() else done
+
+
+def consumer_for(spec: Any, mode: str, **kw: Any) -> akv.Consumer:
+    """A one-rank decode engine reading through NIXL with ``transfer=mode``."""
+    return akv.Consumer(
+        akv.allocate_kv_cache(spec, 0, 1),
+        spec,
+        tp_rank=0,
+        tp_size=1,
+        same_process="nixl",
+        transfer=mode,
+        **kw,
+    )
+
+
+#: Bytes of a packed copy of a 3-block request of make_spec(kv_heads=4) on one rank: k and v,
+#: 4 heads x 12 tokens x 2 layers x 16 bytes.
+SLOT = 2 * 4 * 12 * 2 * 16
+
+NHD = make_spec(kv_heads=8, layers=4, block_size=16, head_dim=16, layout="NHD", num_blocks=32)
+
+
+async def test_head_sliced_nhd_reads_far_fewer_descriptors() -> None:
+    """Cross-TP on a head-sliced NHD cache, a packed pull posts at least 20x fewer descriptors
+    than a direct one; auto reads packed exactly where the direct read exceeds the threshold."""
+    packed, _ = await pull_all(NHD, NHD, 1, 2, "packed", transfer="packed")
+    direct, _ = await pull_all(NHD, NHD, 1, 2, "direct", transfer="packed")
+    auto, _ = await pull_all(NHD, NHD, 1, 2, "auto", consumer_kw={"pack_threshold": 300}, transfer="packed")
+    full = [(a, b) for a, b in zip(packed, direct, strict=True) if b.bytes == max(r.bytes for r in direct)]
+    assert full and all(a.descriptors * 20 <= b.descriptors for a, b in full)
+    assert [r.path for r in auto] == ["packed" if b.descriptors > 300 else "read" for b in direct]
+    assert "packed" in {r.path for r in auto}
+
+
+async def test_auto_reads_directly_below_the_threshold() -> None:
+    """With a descriptor threshold above the pull's count, auto reads the paged blocks directly."""
+    spec = make_spec(kv_heads=4, layout="head-major")
+    reqs = make_requests(spec, 1, 3, seed=3)
+    async with (
+        prefill_engine(spec, 1, transfer="packed") as engine,
+        consumer_for(spec, "auto", pack_threshold=10_000) as consumer,
+    ):
+        expose_all(engine, spec, reqs)
+        session = await consumer.connect(engine.endpoint)
+        result = await (await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids))
+        assert result.path == "read"
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], reqs[0].seed)
+
+
+async def test_a_full_pool_falls_back_to_direct_reads_and_frees_slots() -> None:
+    """A request that finds the prefill pool full is read directly (counted), bit-exact; its
+    slot-holding neighbour's slot is freed once with its release, so the pool serves again;
+    a full decode staging area also falls back to direct reads."""
+    spec = make_spec(kv_heads=4)
+    reqs = make_requests(spec, 3, 3, seed=5)
+    async with prefill_engine(spec, 1, transfer="packed", pack_pool_bytes=SLOT) as engine:
+        expose_all(engine, spec, reqs[:2])
+        producer = engine.producers[0]
+        assert producer.metrics.counters["packed"] == 1 and producer.metrics.counters["pack_fallbacks"] == 1
+        async with consumer_for(spec, "packed") as consumer:
+            session = await consumer.connect(engine.endpoint)
+            results = []
+            for n, req in enumerate(reqs[:2]):
+                local = [3 * n, 3 * n + 1, 3 * n + 2]
+                results.append(await (await session.pull(req.request_id, local, req.block_ids)))
+                assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed)
+            assert [r.path for r in results] == ["packed", "read"]
+            assert results[0].descriptors == 2 < results[1].descriptors  # k and v; the direct read's runs
+        await wait_for(lambda: len(engine.releases) == 2)
+        expose_all(engine, spec, reqs[2:])
+        assert producer.metrics.counters["packed"] == 2  # the freed slot took the next request
+        async with consumer_for(spec, "packed", pack_staging_bytes=256) as consumer:
+            session = await consumer.connect(engine.endpoint)
+            result = await (await session.pull(reqs[2].request_id, [0, 1, 2], reqs[2].block_ids))
+            assert result.path == "read"
+            assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], reqs[2].seed)
+
+
+async def test_a_lease_expiring_mid_read_of_a_packed_copy_fails_the_pull() -> None:
+    """A packed copy whose lease runs out while it is being read fails the pull with
+    LeaseExpiredError, never a success; its slot and its staging range go back to their pools."""
+    spec = make_spec(kv_heads=4)
+    reqs = make_requests(spec, 2, 3, seed=9)
+    backend = SlowPackedReads(f"slow-{id(reqs)}")
+    async with (
+        prefill_engine(spec, 1, transfer="packed", pack_pool_bytes=SLOT) as engine,
+        consumer_for(spec, "packed", backend=backend, pack_staging_bytes=SLOT) as consumer,
+    ):
+        session = await consumer.connect(engine.endpoint)
+        producer = engine.producers[0]
+        req = reqs[0]
+        fill_request(producer.kv_caches, spec, 0, 1, req.block_ids, req.seed)
+        producer.expose(req.request_id, req.block_ids, lease=0.3)
+        transfer = await session.pull(req.request_id, [0, 1, 2], req.block_ids)
+        await wait_for(lambda: (req.request_id, "expired") in engine.releases)
+        backend.go.set()
+        with pytest.raises(akv.LeaseExpiredError):
+            await transfer
+        expose_all(engine, spec, reqs[1:])
+        result = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
+        assert result.path == "packed" and consumer.metrics.counters["unsafe_reads"] == 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_release_after_pack_hands_blocks_back_before_the_read() -> None:
+    """With release_after_pack, the blocks are released (reason "packed") at expose, before
+    any read; the engine may reuse them, yet a packed pull is bit-exact, a direct one fails
+    typed, and no second release follows the reads."""
+    spec = make_spec(kv_heads=4)
+    reqs = make_requests(spec, 2, 3, seed=13)
+    async with prefill_engine(spec, 2, transfer="packed", release_after_pack=True) as engine:
+        expose_all(engine, spec, reqs)
+        assert engine.releases == Counter({(r.request_id, "packed"): 2 for r in reqs})
+        for prod in engine.producers:  # the engine reuses the blocks for other requests
+            for req in reqs:
+                fill_request(prod.kv_caches, spec, prod.tp_rank, 2, req.block_ids, req.seed + 1)
+        async with consumer_for(spec, "direct") as consumer:
+            session = await consumer.connect(engine.endpoint)
+            with pytest.raises(akv.errors.ReleasedError, match="packed"):
+                await (await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids))
+        async with consumer_for(spec, "auto") as consumer:
+            session = await consumer.connect(engine.endpoint)
+            result = await (await session.pull(reqs[1].request_id, [0, 1, 2], reqs[1].block_ids))
+            assert result.path == "packed"
+            assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], reqs[1].seed)
+        await wait_for(lambda: all(not p.pending for p in engine.producers))
+        assert engine.releases == Counter({(r.request_id, "packed"): 2 for r in reqs})
+
+
+async def test_packed_from_an_engine_that_does_not_pack_is_a_typed_error() -> None:
+    """transfer='packed' against prefill ranks keeping no packed copies fails at connect with
+    IncompatiblePeerError naming the option."""
+    spec = make_spec(kv_heads=4)
+    async with prefill_engine(spec, 1) as engine, consumer_for(spec, "packed") as consumer:
+        with pytest.raises(akv.IncompatiblePeerError, match="transfer") as info:
+            await consumer.connect(engine.endpoint)
+        assert info.value.fields == ("transfer",)
+
+
+def test_demo_with_packed_transfers_says_packed() -> None:
+    """`akv demo --transfer packed` pulls every request packed across processes and TP sizes
+    (its JSON `paths` says so); a zero staging pool is one line and exit 64."""
+    small = [
+        "--kv-heads",
+        "4",
+        "--layers",
+        "2",
+        "--block-size",
+        "4",
+        "--head-dim",
+        "16",
+        "--dtype",
+        "float16",
+    ]
+    run = [sys.executable, "-m", "akv", "demo", "--prefill-tp", "2", "--decode-tp", "1", *small]
+    proc = subprocess.run(
+        [*run, "--requests", "3", "--transfer", "packed", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["paths"] == {"packed": 3} and summary["verified"] == summary["released"] == 3
+    bad = subprocess.run([*run, "--pack-pool-mib", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 64
+    assert bad.stderr.strip().splitlines() == ["akv demo: --pack-pool-mib must be >= 1, got 0"]
+
+
+async def test_a_large_packed_pull_scatters_off_the_event_loop_bit_exact() -> None:
+    """A packed pull of more than WORKER_BYTES (scattered in the staging pool's worker thread)
+    fills the cache bit-exact, after a partial prefix hit too."""
+    spec = make_spec(kv_heads=8, head_dim=128, layers=16, block_size=16, num_blocks=80, layout="NHD")
+    reqs = make_requests(spec, 2, 36, seed=17)
+    async with prefill_engine(spec, 1, transfer="packed") as engine, consumer_for(spec, "packed") as consumer:
+        expose_all(engine, spec, reqs)
+        session = await consumer.connect(engine.endpoint)
+        for n, (req, hit) in enumerate(zip(reqs, (0, 4), strict=True)):
+            local = list(range(40 * n, 40 * n + 36 - hit))
+            result = await (
+                await session.pull(req.request_id, local, req.block_ids, num_tokens=req.num_tokens)
+            )
+            assert result.path == "packed" and result.bytes >= WORKER_BYTES
+            assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed, num_tokens=req.num_tokens)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_timed_out_packed_pull_frees_its_staging_once() -> None:
+    """A packed pull that times out mid-read fails with TransferTimeout; its staging range goes
+    back only once NIXL released the read, and the next pull gets it."""
+    spec = make_spec(kv_heads=4)
+    reqs = make_requests(spec, 2, 3, seed=19)
+    backend = SlowPackedReads(f"stuck-{id(reqs)}")
+    async with (
+        prefill_engine(spec, 1, transfer="packed") as engine,
+        consumer_for(
+            spec, "packed", backend=backend, pack_staging_bytes=SLOT, transfer_timeout=0.3
+        ) as consumer,
+    ):
+        expose_all(engine, spec, reqs)
+        session = await consumer.connect(engine.endpoint)
+        with pytest.raises(akv.TransferTimeout):
+            await (await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids))
+        backend.go.set()
+        result = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
+        assert result.path == "packed"
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [3, 4, 5], reqs[1].seed)
+
+
+@pytest.mark.parametrize(("layout", "packs"), [("HND", True), ("head-major", False)])
+async def test_a_prefill_engine_on_auto_packs_only_fragmented_layouts(layout: str, packs: bool) -> None:
+    """Producer(transfer="auto") keeps packed copies on a per-layer HND cache (many runs per
+    head and block) and none on head-major (one run): a packed pull works on the first and is
+    refused, naming the option, on the second."""
+    spec = make_spec(kv_heads=4, layout=layout)
+    req = make_requests(spec, 1, 3, seed=23)[0]
+    async with prefill_engine(spec, 1, transfer="auto") as engine, consumer_for(spec, "packed") as consumer:
+        expose_all(engine, spec, [req])
+        if not packs:
+            with pytest.raises(akv.IncompatiblePeerError, match="transfer"):
+                await consumer.connect(engine.endpoint)
+            return
+        session = await consumer.connect(engine.endpoint)
+        result = await (await session.pull(req.request_id, [0, 1, 2], req.block_ids))
+        assert result.path == "packed"
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], req.seed)
