@@ -350,8 +350,9 @@ async def test_a_large_packed_pull_scatters_off_the_event_loop_bit_exact() -> No
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_a_timed_out_packed_pull_frees_its_staging_once() -> None:
-    """A packed pull that times out mid-read fails with TransferTimeout; its staging range goes
-    back only once NIXL released the read, and the next pull gets it."""
+    """A packed pull that times out mid-read fails with TransferTimeout only once NIXL reports
+    its read finished (a consumer with its own backend cannot replace the agent), its staging
+    range goes back then, and the next pull gets it."""
     spec = make_spec(kv_heads=4)
     reqs = make_requests(spec, 2, 3, seed=19)
     backend = SlowPackedReads(f"stuck-{id(reqs)}")
@@ -363,9 +364,16 @@ async def test_a_timed_out_packed_pull_frees_its_staging_once() -> None:
     ):
         expose_all(engine, spec, reqs)
         session = await consumer.connect(engine.endpoint)
-        with pytest.raises(akv.TransferTimeout):
-            await (await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids))
-        backend.go.set()
+
+        async def finish_reads() -> None:
+            await anyio.sleep(0.8)  # well past the transfer timeout
+            backend.go.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(finish_reads)
+            with pytest.raises(akv.TransferTimeout):
+                await (await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids))
+            assert backend.go.is_set()  # not reported while its read could still land
         result = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
         assert result.path == "packed"
         assert verify_request(consumer.kv_caches, spec, 0, 1, [3, 4, 5], reqs[1].seed)
