@@ -396,3 +396,66 @@ async def test_a_prefill_engine_on_auto_packs_only_fragmented_layouts(layout: st
         result = await (await session.pull(req.request_id, [0, 1, 2], req.block_ids))
         assert result.path == "packed"
         assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], req.seed)
+
+
+async def test_a_request_exposed_before_its_layers_are_computed_is_packed_once_they_are() -> None:
+    """A packing prefill rank that exposes a request with layers still to compute (push-style
+    streaming) packs it only once ``layers_ready`` reports the last layer: a packed pull then
+    reads the computed bytes, not what the blocks held at expose()."""
+    spec = make_spec(kv_heads=4)
+    req = make_requests(spec, 1, 3, seed=29)[0]
+    async with prefill_engine(spec, 1, transfer="packed") as engine, consumer_for(spec, "packed") as consumer:
+        producer = engine.producers[0]
+        producer.expose(req.request_id, req.block_ids, layers_ready=0)  # nothing computed yet
+        assert producer.metrics.counters.get("packed", 0) == 0
+        fill_request(producer.kv_caches, spec, 0, 1, req.block_ids, req.seed, req.num_tokens)  # "compute"
+        producer.layers_ready(req.request_id, spec.layers)
+        assert producer.metrics.counters["packed"] == 1
+        session = await consumer.connect(engine.endpoint)
+        result = await (await session.pull(req.request_id, [0, 1, 2], req.block_ids))
+        assert result.path == "packed"
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], req.seed)
+
+
+def test_push_mode_and_packed_copies_exclude_each_other() -> None:
+    """Consumer(mode="push", transfer="packed") and Producer(release_after_pack=True,
+    modes=["push"]) are ConfigErrors naming what to change; release_after_pack alone serves
+    pull only."""
+    spec = make_spec(kv_heads=4)
+    with pytest.raises(akv.ConfigError, match="mode='pull'"):
+        akv.Consumer(
+            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, mode="push", transfer="packed"
+        )
+    with pytest.raises(akv.ConfigError, match="release_after_pack"):
+        akv.Producer(
+            akv.allocate_kv_cache(spec, 0, 1),
+            spec,
+            tp_rank=0,
+            tp_size=1,
+            transfer="packed",
+            release_after_pack=True,
+            modes=["pull", "push"],
+        )
+    producer = akv.Producer(
+        akv.allocate_kv_cache(spec, 0, 1),
+        spec,
+        tp_rank=0,
+        tp_size=1,
+        transfer="packed",
+        release_after_pack=True,
+    )
+    assert producer.modes == ("pull",)
+
+
+@pytest.mark.parametrize("command", ["decode", "demo"])
+def test_the_command_line_refuses_packed_copies_in_push_mode(command: str) -> None:
+    """``--mode push --transfer packed`` is one line naming the flags, exit 64."""
+    argv = [sys.executable, "-m", "akv", command, "--kv-heads", "4", "--mode", "push", "--transfer", "packed"]
+    argv += (
+        ["--connect", "127.0.0.1:1", "--tp-size", "1"]
+        if command == "decode"
+        else ["--prefill-tp", "1", "--decode-tp", "1"]
+    )
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 64, proc.stderr
+    assert "--transfer packed" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
