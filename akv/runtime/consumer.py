@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -203,7 +204,6 @@ class Consumer(RankBase):
         self.stop_grace_s = stop_grace_s
         self._grants: dict[int, Transfer] = {}  # push: grant id -> its pull, until settled
         self._stopping: dict[Transfer, tuple[AkvError, float]] = {}  # failed pushes, writers not stopped yet
-        self._stopped: anyio.Event | None = None
         self._metadata: bytes | None = None
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
@@ -343,12 +343,18 @@ class Consumer(RankBase):
                 return grant
 
     async def settled(self, session: TransferSession | None = None) -> None:
-        """Wait until the failed pulls (of ``session``, or all) have settled: every push
-        writer confirmed it stopped, or was cut off."""
-        while any(session is None or t.session is session for t in self._stopping):
-            if self._stopped is None or self._stopped.is_set():
-                self._stopped = anyio.Event()
-            await self._stopped.wait()
+        """Wait until the failed pulls (of ``session``, or all) have settled: nothing of their
+        reads can still land (see ``settle_timeout``), and every push writer confirmed it
+        stopped, or was cut off (see ``stop_grace_s``)."""
+        while waiting := [
+            t for t in (*self._stopping, *self._settling) if session is None or t.session is session
+        ]:
+            running = [t for t in waiting if not t.done()]
+            if not running:  # reported, not forgotten yet: look again shortly
+                await anyio.sleep(0.005)
+                continue
+            with contextlib.suppress(AkvError):
+                await running[0].wait()
 
     def local_dlist(self, key: Any, table: npt.NDArray[np.int64]) -> Any:
         """The prepared local list for a table key (shared by every session)."""
@@ -465,10 +471,13 @@ class Consumer(RankBase):
             else:
                 return
 
-    def _finish_settled(self, everything: bool = False) -> None:
-        """Report the failed pulls nothing of which can land any more."""
+    def _finish_settled(self, everything: bool = False, among: Collection[Transfer] | None = None) -> None:
+        """Report the failed pulls nothing of which can land any more (``everything``: all of
+        them, or all ``among`` these, whose agent is gone)."""
         reaper = self._reaper
         for transfer, error in list(self._settling.items()):
+            if among is not None and transfer not in among:
+                continue
             if everything or reaper is None or not reaper.holds(transfer.op):
                 del self._settling[transfer]
                 transfer.finish(error)
@@ -491,6 +500,10 @@ class Consumer(RankBase):
             held=len(old_reaper),
             settle_timeout=self.settle_timeout,
         )
+        async with self._packing:  # staging registered meanwhile would miss the new agent
+            await self._swap_agent(old, old_reaper)
+
+    async def _swap_agent(self, old: Backend, old_reaper: Reaper) -> None:
         new = await anyio.to_thread.run_sync(self._new_backend)
         try:
             await anyio.to_thread.run_sync(new.register, self.kv_caches)
@@ -515,6 +528,7 @@ class Consumer(RankBase):
             session.reset_links(error)
         for _state, transfer in list(self._tracker):
             self.fail(transfer, error)
+        quarantined = set(self._settling)  # theirs may land until the old agent is gone
         self._backend, self._reaper = new, Reaper(new)
         self._metadata = None  # push mode: the next handshakes carry the new agent's metadata
         self.checks.dlist = dlist
@@ -529,7 +543,7 @@ class Consumer(RankBase):
             gc.collect()
         if not old.destroyed:  # pragma: no cover - a list or handle of it is still referenced
             self._log.error("the replaced NIXL agent is still referenced: its reads may still land")
-        self._finish_settled(everything=True)
+        self._finish_settled(everything=True, among=quarantined)
         self.metrics.inc("agent_resets")
 
     def _forget_grant(self, transfer: Transfer) -> None:
@@ -556,8 +570,6 @@ class Consumer(RankBase):
             del self._stopping[transfer]
             self._forget_grant(transfer)
             transfer.finish(error)
-        if not self._stopping and self._stopped is not None:
-            self._stopped.set()
 
     def pump(self) -> None:
         """Push mode: progress the agent now (a notice just queued goes out), dispatching

@@ -522,7 +522,7 @@ class TransferSession:
                     "engines (or pass verify_exposure=False to trust it blindly)",
                     ("exposure",),
                 )
-        if c.transfer != "direct" and any(i.pack is not None for i in infos.values()):
+        if c.transfer != "direct" and c.mode != "push" and any(i.pack is not None for i in infos.values()):
             await c.enable_packing()
         for r in infos:  # a rank linked before (lost, or restarted): forget its old agent first
             link = self.links.get(r)
@@ -1026,5 +1026,6 @@ class TransferSession:
         for link in self.links.values():
             link.dropped = True  # its reference died with the old agent
             link.check = None
+            link.directory = None  # a prepared list of the old agent (packed copies)
             link.broken = True
         self.dlists.clear()

@@ -276,7 +276,10 @@ class PackedRead:
     def poll(self) -> Outcome:
         """Advance the stage the pull is in; never raises."""
         if self.fallback is not None:
-            return self.fallback.poll()
+            outcome = self.fallback.poll()
+            if outcome is None:
+                self._forget()
+            return outcome
         if self.read is None:
             changed = False
             for handle, rank in list(self._lookups.items()):
@@ -470,7 +473,17 @@ class PackedRead:
             self._free_staging()
             return Failed(TransferError(f"scattering request {self.request_id!r} failed: {exc}"))
         self._free_staging()
+        self._forget()
         return None
+
+    def _forget(self) -> None:
+        """Drop the prepared lists it holds (the links' directories, the checks, an unused
+        direct read): a finished op must not keep a replaced agent alive."""
+        self.links = {}
+        self.checks = {}
+        if self.direct is not None and self.direct is not self.fallback:
+            self.direct._forget()
+            self.direct = None
 
     def _scatter_all(self, base: int) -> float:
         """Scatter every item staged from ``base``; returns the seconds it took."""
@@ -534,6 +547,7 @@ class PackedRead:
             self.read.abort()  # runs _on_landed once its data reads are released
         if self.read is None or self._landed:
             self._free_staging()
+        self._forget()
 
 
 def error_for(ranks: Sequence[int], engine: str) -> AkvError:

@@ -125,6 +125,7 @@ class NixlRead:
         self.checking = False
         self._ranks = frozenset(post.rank for post in posts)
         self._errored: XferHandle = None
+        self._aborted = False
         self._pending: dict[XferHandle, int] = {}
         self._slots: dict[int, int] = {}  # prefill rank -> check slot
 
@@ -233,6 +234,9 @@ class NixlRead:
         still land in) until NIXL reports it finished; ``reaper.holds(self.owner)`` says whether
         anything of this pull may still land (and ``on_settled`` runs once every data read is
         finished and released)."""
+        if self._aborted:  # a second abort must not settle what the first handed to the reaper
+            return
+        self._aborted = True
         pool = self.pool
         data = [h for h in self._pending] if not self.checking else []
         left = [len(data)]
