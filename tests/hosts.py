@@ -83,7 +83,9 @@ _live: set[Network] = set()
 
 # The pid 1 of each host's PID namespace: names the host, runs the command as its child
 # (stdin kept: an asynchronous list would get /dev/null), forwards catchable signals to it
-# (the kernel drops those a namespace's init has no handler for) and exits with its status.
+# (the kernel drops those a namespace's init has no handler for) and exits with its status
+# (a wait cut short by a forwarded signal says 128+N; the shell may reap the command meanwhile,
+# so its status is asked once more: 127 means it was reported already).
 _INIT = r"""hostname "$0" || exit 125
 c=
 for s in TERM INT HUP QUIT USR1 USR2; do trap "[ -n \"\$c\" ] && kill -$s \$c 2>/dev/null" $s; done
@@ -92,6 +94,7 @@ exec 3<&0
 c=$!
 exec 3<&-
 while :; do wait $c 2>/dev/null; rc=$?; kill -0 $c 2>/dev/null || break; done
+wait $c 2>/dev/null; r=$?; [ "$r" -ne 127 ] && rc=$r
 exit $rc
 """
 
