@@ -792,7 +792,7 @@ class TransferSession:
             self.mark_broken(failed.error, failed.rank)
             c.fail(transfer, failed.error)
             await transfer.wait()  # raises, once none of them can still write
-        else:
+        elif isinstance(op, PushOp):
             c.pump()  # the announcements go out now
         return transfer
 
