@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Callable
 
 import anyio
 import anyio.lowlevel
 
-__all__ = ["Backoff"]
+__all__ = ["Backoff", "from_threads"]
+
+
+def from_threads(fn: Callable[[], object]) -> Callable[[], None]:
+    """A function any thread may call to run ``fn`` soon on the running event loop (asyncio or
+    trio; call this from that loop). It never blocks, and does nothing once the loop is gone."""
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: trio
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+
+        def soon() -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(fn)
+
+        return soon
+
+    def call() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(fn)
+
+    return call
 
 
 class Backoff:

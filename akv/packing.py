@@ -123,12 +123,20 @@ class CacheViews:
         self.tensors = list(tensors)
         self.layout = layout
         self._views: dict[tuple[int, int], tuple[int, list[tuple[int, int, Any]]]] = {}
+        self._host: dict[tuple[int, int], list[tuple[int, int, Any]]] = {}
 
     def get(self, gi: int, ci: int) -> tuple[int, list[tuple[int, int, Any]]]:
         """``(width, views)`` of component ``ci`` of group ``gi``."""
         hit = self._views.get((gi, ci))
         if hit is None:
             hit = self._views[(gi, ci)] = self._build(gi, ci)
+        return hit
+
+    def host(self, gi: int, ci: int) -> list[tuple[int, int, npt.NDArray[Any]]]:
+        """The views of `get` as numpy arrays (DRAM caches only)."""
+        hit = self._host.get((gi, ci))
+        if hit is None:
+            hit = self._host[(gi, ci)] = [(l0, lk, v.numpy()) for l0, lk, v in self.get(gi, ci)[1]]
         return hit
 
     def _build(self, gi: int, ci: int) -> tuple[int, list[tuple[int, int, Any]]]:
@@ -203,27 +211,41 @@ def scatter(
 ) -> None:
     """Write ``staged`` (uint8 bytes ``[units][layers][tokens][run]``) into the paged cache:
     token ``k`` goes to block ``blocks[k]``, position ``positions[k]``; ``local_units`` are
-    global units this rank holds."""
+    global units this rank holds.
+
+    DRAM: numpy fancy-index assignments on views built once (2-2.5x torch's index copies on
+    these transposes: 11.3 against 4.6 GB/s on NHD, scripts/scatter_bench.py); CUDA: torch
+    index copies on the current stream."""
     w, spans = views.get(gi, ci)
     gl = views.layout.groups[gi]
     p = gl.placements[ci]
-    nl = len(gl.group.layers)
-    units, rw = len(local_units), p.run // w
+    units, nl, rw = len(local_units), len(gl.group.layers), p.run // w
     src = staged.view(_dtype(w)).view(units, nl, len(blocks), rw)
-    u0 = local_units.start - p.units.start
-    device = staged.device
+    u0, u1 = local_units.start - p.units.start, local_units.stop - p.units.start
     bs = gl.group.block_size if gl.group.tokens else 1
-    whole = len(blocks) % bs == 0 and np.array_equal(positions, np.tile(np.arange(bs), len(blocks) // bs))
+    whole = len(blocks) % bs == 0 and bool((positions.reshape(-1, bs) == np.arange(bs)).all())
+    if not staged.is_cuda:  # numpy views built once; per layer span one assignment
+        host = src.numpy()
+        if whole:
+            bl = blocks[::bs]
+            values = host.reshape(units, nl, len(bl), bs, rw).transpose(2, 3, 1, 0, 4)
+            for l0, lk, view in views.host(gi, ci):
+                view[bl, :, :, u0:u1] = values[:, :, l0 : l0 + lk]
+        else:
+            values = host.transpose(2, 1, 0, 3)
+            for l0, lk, view in views.host(gi, ci):
+                view[blocks, positions, :, u0:u1] = values[:, l0 : l0 + lk]
+        return
+    device = staged.device
     if whole:  # whole blocks: one index copy along the block axis per span
         bi = _index(blocks[::bs], device)
         for l0, lk, view in spans:
             values = src[:, l0 : l0 + lk].reshape(units, lk, len(bi), bs, rw).permute(2, 3, 1, 0, 4)
-            view[:, :, :, u0 : u0 + units].index_copy_(0, bi, values)
+            view[:, :, :, u0:u1].index_copy_(0, bi, values)
         return
     bi, pi = _index(blocks, device), _index(positions, device)
     for l0, lk, view in spans:
-        target = view[:, :, :, u0 : u0 + units]
-        target.index_put_((bi, pi), src[:, l0 : l0 + lk].permute(2, 1, 0, 3))
+        view[:, :, :, u0:u1].index_put_((bi, pi), src[:, l0 : l0 + lk].permute(2, 1, 0, 3))
 
 
 class Arena:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import numpy as np
@@ -83,12 +85,18 @@ def summary_of(proc: subprocess.Popen[str], timeout: float = 30) -> dict[str, ob
 
 @dataclass
 class Engine:
-    """In-process prefill ranks sharing one control server."""
+    """In-process prefill ranks sharing one control server; ``releases`` in order, and
+    ``reasons`` counting them per ``(request_id, reason)``."""
 
-    spec: akv.KVSpec
+    spec: Any
     producers: list[akv.Producer]
     server: akv.ControlServer
     releases: list[akv.Release] = field(default_factory=list)
+    reasons: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+    def released(self, rel: akv.Release) -> None:
+        self.releases.append(rel)
+        self.reasons[(rel.request_id, rel.reason)] += 1
 
     @property
     def endpoint(self) -> str:
@@ -123,21 +131,25 @@ def make_spec(kv_heads: int = 4, mla: bool = False, **kw: object) -> akv.KVSpec:
 
 @asynccontextmanager
 async def prefill_engine(
-    spec: akv.KVSpec,
+    spec: Any,
     tp_size: int,
     *,
     secret: str | None = None,
     lease: float = 30.0,
     engine_id: str = "prefill",
     tls: akv.TLSConfig | None = None,
+    device: str = "cpu",
+    **producer_kw: Any,
 ) -> AsyncIterator[Engine]:
+    """``tp_size`` prefill ranks of this process behind one control server (``producer_kw``:
+    more `akv.Producer` options, e.g. ``transfer`` or ``modes``)."""
     async with AsyncExitStack() as stack:
         server = akv.ControlServer(secret=secret, tls=tls)
         tg = await stack.enter_async_context(anyio.create_task_group())
         await tg.start(server.serve)
         engine = Engine(spec, [], server)
         for r in range(tp_size):
-            kv = akv.allocate_kv_cache(spec, r, tp_size)
+            kv = akv.allocate_kv_cache(spec, r, tp_size, device=device)
             engine.producers.append(
                 await stack.enter_async_context(
                     akv.Producer(
@@ -148,7 +160,8 @@ async def prefill_engine(
                         server=server,
                         lease=lease,
                         engine_id=engine_id,
-                        on_release=engine.releases.append,
+                        on_release=engine.released,
+                        **producer_kw,
                     )
                 )
             )

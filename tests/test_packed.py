@@ -7,9 +7,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -21,7 +19,7 @@ from akv.backends.nixl import NixlBackend
 from akv.geometry.cache import as_cache
 from akv.runtime.paths.packed import WORKER_BYTES
 from akv.testing import fill_request, local_counts, make_requests, verify_request
-from tests.conftest import make_spec, wait_for
+from tests.conftest import Engine, make_spec, prefill_engine, wait_for
 from tests.test_paths import PAIRS
 
 pytestmark = pytest.mark.anyio
@@ -32,45 +30,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@dataclass
-class Prefill:
-    producers: list[akv.Producer]
-    endpoint: str
-    releases: Counter[tuple[str, str]] = field(default_factory=Counter)
-    blocks_back: list[tuple[str, str]] = field(default_factory=list)
-
-
-@asynccontextmanager
-async def prefill_engine(spec: Any, tp: int, lease: float = 30.0, **kw: Any) -> AsyncIterator[Prefill]:
-    """``tp`` prefill ranks of this process behind one control server, packing as ``kw`` says."""
-    async with AsyncExitStack() as stack:
-        tg = await stack.enter_async_context(anyio.create_task_group())
-        server = akv.ControlServer()
-        engine = Prefill([], str(await tg.start(server.serve)))
-
-        def on_release(rel: akv.Release) -> None:
-            engine.releases[(rel.request_id, rel.reason)] += 1
-
-        for r in range(tp):
-            engine.producers.append(
-                await stack.enter_async_context(
-                    akv.Producer(
-                        akv.allocate_kv_cache(spec, r, tp),
-                        spec,
-                        tp_rank=r,
-                        tp_size=tp,
-                        server=server,
-                        lease=lease,
-                        on_release=on_release,
-                        **kw,
-                    )
-                )
-            )
-        yield engine
-        tg.cancel_scope.cancel()
-
-
-def expose_all(engine: Prefill, spec: Any, reqs: list[Any]) -> None:
+def expose_all(engine: Engine, spec: Any, reqs: list[Any]) -> None:
     """Fill and expose ``reqs`` on every rank of ``engine``."""
     for req in reqs:
         for prod in engine.producers:
@@ -96,7 +56,7 @@ async def pull_all(
     requests: int = 2,
     consumer_kw: dict[str, Any] | None = None,
     **kw: Any,
-) -> tuple[list[akv.TransferResult], Prefill]:
+) -> tuple[list[akv.TransferResult], Engine]:
     """Pull ``requests`` requests on each of ``d`` decode ranks (the second after a one-block
     prefix hit) with ``transfer=mode``; verify every byte."""
     reqs = make_requests(pspec, requests, 3, seed=11)
@@ -130,7 +90,7 @@ async def pull_all(
                 assert verify_request(
                     consumer.kv_caches, dspec, r, d, local, req.seed, num_tokens=req.num_tokens
                 ), (req.request_id, r)
-        await wait_for(lambda: sum(engine.releases.values()) >= p * requests, timeout=10)
+        await wait_for(lambda: sum(engine.reasons.values()) >= p * requests, timeout=10)
     return results, engine
 
 
@@ -143,7 +103,7 @@ async def test_packed_pulls_are_bit_exact(pspec: Any, dspec: Any, p: int, d: int
     direct, _ = await pull_all(pspec, dspec, p, d, "direct", transfer="packed")
     assert {r.path for r in packed} == {"packed"} and {r.path for r in direct} == {"read"}
     assert [r.bytes for r in packed] == [r.bytes for r in direct]
-    assert {why for _, why in engine.releases} == {"read"} and set(engine.releases.values()) == {p}
+    assert {why for _, why in engine.reasons} == {"read"} and set(engine.reasons.values()) == {p}
 
 
 class SlowPackedReads(NixlBackend):
@@ -230,7 +190,7 @@ async def test_a_full_pool_falls_back_to_direct_reads_and_frees_slots() -> None:
                 assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed)
             assert [r.path for r in results] == ["packed", "read"]
             assert results[0].descriptors == 2 < results[1].descriptors  # k and v; the direct read's runs
-        await wait_for(lambda: len(engine.releases) == 2)
+        await wait_for(lambda: len(engine.reasons) == 2)
         expose_all(engine, spec, reqs[2:])
         assert producer.metrics.counters["packed"] == 2  # the freed slot took the next request
         async with consumer_for(spec, "packed", pack_staging_bytes=256) as consumer:
@@ -256,7 +216,7 @@ async def test_a_lease_expiring_mid_read_of_a_packed_copy_fails_the_pull() -> No
         fill_request(producer.kv_caches, spec, 0, 1, req.block_ids, req.seed)
         producer.expose(req.request_id, req.block_ids, lease=0.3)
         transfer = await session.pull(req.request_id, [0, 1, 2], req.block_ids)
-        await wait_for(lambda: (req.request_id, "expired") in engine.releases)
+        await wait_for(lambda: (req.request_id, "expired") in engine.reasons)
         backend.go.set()
         with pytest.raises(akv.LeaseExpiredError):
             await transfer
@@ -274,7 +234,7 @@ async def test_release_after_pack_hands_blocks_back_before_the_read() -> None:
     reqs = make_requests(spec, 2, 3, seed=13)
     async with prefill_engine(spec, 2, transfer="packed", release_after_pack=True) as engine:
         expose_all(engine, spec, reqs)
-        assert engine.releases == Counter({(r.request_id, "packed"): 2 for r in reqs})
+        assert engine.reasons == Counter({(r.request_id, "packed"): 2 for r in reqs})
         for prod in engine.producers:  # the engine reuses the blocks for other requests
             for req in reqs:
                 fill_request(prod.kv_caches, spec, prod.tp_rank, 2, req.block_ids, req.seed + 1)
@@ -288,7 +248,7 @@ async def test_release_after_pack_hands_blocks_back_before_the_read() -> None:
             assert result.path == "packed"
             assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], reqs[1].seed)
         await wait_for(lambda: all(not p.pending for p in engine.producers))
-        assert engine.releases == Counter({(r.request_id, "packed"): 2 for r in reqs})
+        assert engine.reasons == Counter({(r.request_id, "packed"): 2 for r in reqs})
 
 
 async def test_packed_from_an_engine_that_does_not_pack_is_a_typed_error() -> None:
@@ -331,21 +291,36 @@ def test_demo_with_packed_transfers_says_packed() -> None:
     assert bad.stderr.strip().splitlines() == ["akv demo: --pack-pool-mib must be >= 1, got 0"]
 
 
-async def test_a_large_packed_pull_scatters_off_the_event_loop_bit_exact() -> None:
-    """A packed pull of more than WORKER_BYTES (scattered in the staging pool's worker thread)
-    fills the cache bit-exact, after a partial prefix hit too."""
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_concurrent_large_packed_pulls_scatter_off_the_event_loop_bit_exact() -> None:
+    """Packed pulls of more than WORKER_BYTES staged at once (scattered in the staging pool's
+    worker thread, which wakes the poller when done, on asyncio and trio) fill the cache
+    bit-exact, after a partial prefix hit too."""
     spec = make_spec(kv_heads=8, head_dim=128, layers=16, block_size=16, num_blocks=80, layout="NHD")
     reqs = make_requests(spec, 2, 36, seed=17)
-    async with prefill_engine(spec, 1, transfer="packed") as engine, consumer_for(spec, "packed") as consumer:
+    async with (
+        prefill_engine(spec, 1, transfer="packed") as engine,
+        consumer_for(spec, "packed", pack_staging_bytes=96 << 20) as consumer,
+    ):
         expose_all(engine, spec, reqs)
         session = await consumer.connect(engine.endpoint)
+        pulls = []
         for n, (req, hit) in enumerate(zip(reqs, (0, 4), strict=True)):
             local = list(range(40 * n, 40 * n + 36 - hit))
-            result = await (
-                await session.pull(req.request_id, local, req.block_ids, num_tokens=req.num_tokens)
+            pulls.append(
+                (
+                    req,
+                    local,
+                    await session.pull(req.request_id, local, req.block_ids, num_tokens=req.num_tokens),
+                )
             )
-            assert result.path == "packed" and result.bytes >= WORKER_BYTES
-            assert verify_request(consumer.kv_caches, spec, 0, 1, local, req.seed, num_tokens=req.num_tokens)
+        with anyio.fail_after(30):
+            for req, local, transfer in pulls:
+                result = await transfer
+                assert result.path == "packed" and result.bytes >= WORKER_BYTES
+                assert verify_request(
+                    consumer.kv_caches, spec, 0, 1, local, req.seed, num_tokens=req.num_tokens
+                )
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
@@ -377,6 +352,57 @@ async def test_a_timed_out_packed_pull_frees_its_staging_once() -> None:
         result = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
         assert result.path == "packed"
         assert verify_request(consumer.kv_caches, spec, 0, 1, [3, 4, 5], reqs[1].seed)
+
+
+class HeldThenRefused(NixlBackend):
+    """The real backend; the first packed-copy read reports "PROC" until ``go`` is set, the
+    second one is refused when posted (as a lost peer's would be)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.go = anyio.Event()
+        self.held: XferHandle = None
+        self.refused = 0
+
+    def read_descs(self, *args: Any) -> XferHandle:
+        if self.held is not None and not self.refused:
+            self.refused += 1
+            raise akv.TransferError("posting the read failed (injected)")
+        handle = super().read_descs(*args)
+        self.held = self.held if self.held is not None else handle
+        return handle
+
+    def state(self, handle: XferHandle) -> XferState:
+        done = super().state(handle)
+        return "PROC" if handle is self.held and not self.go.is_set() else done
+
+
+async def test_a_packed_pull_failing_mid_post_keeps_its_staging_until_its_reads_finish() -> None:
+    """A packed pull whose read from one prefill rank is posted and whose read from the other
+    is refused fails only once the posted read finished; until then its staging range stays
+    taken (a pull meanwhile reads direct, bit-exact), and afterwards the next pull reads packed."""
+    spec = make_spec(kv_heads=4)
+    reqs = make_requests(spec, 3, 3, seed=29)
+    backend = HeldThenRefused(f"refused-{id(reqs)}")
+    slot = SLOT // 2  # one rank's half of a request: two ranks' halves fill the staging area
+    async with (
+        prefill_engine(spec, 2, transfer="packed") as engine,
+        consumer_for(spec, "packed", backend=backend, pack_staging_bytes=2 * slot) as consumer,
+    ):
+        expose_all(engine, spec, reqs)
+        session = await consumer.connect(engine.endpoint)
+        failing = await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids)
+        await wait_for(lambda: backend.refused == 1)
+        meanwhile = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
+        assert meanwhile.path == "read"  # the staging range may still be written
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [3, 4, 5], reqs[1].seed)
+        assert not failing.done()
+        backend.go.set()
+        with anyio.fail_after(10), pytest.raises(akv.TransferError, match="injected"):
+            await failing
+        after = await (await session.pull(reqs[2].request_id, [6, 7, 8], reqs[2].block_ids))
+        assert after.path == "packed"
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [6, 7, 8], reqs[2].seed)
 
 
 @pytest.mark.parametrize(("layout", "packs"), [("HND", True), ("head-major", False)])

@@ -8,10 +8,7 @@ hybrid groups, mixed layouts and block sizes, and partial prefix hits.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -21,7 +18,7 @@ import torch
 import akv
 from akv.geometry.cache import as_cache
 from akv.testing import fetch_requests, fill_request, local_counts, make_requests, verify_request
-from tests.conftest import make_spec, prefill_process, wait_for
+from tests.conftest import Engine, make_spec, prefill_engine, prefill_process, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -29,46 +26,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@dataclass
-class Prefill:
-    spec: Any
-    producers: list[akv.Producer]
-    endpoint: str
-    releases: Counter[tuple[str, str]] = field(default_factory=Counter)
-
-
-@asynccontextmanager
-async def prefill_engine(
-    spec: Any, tp: int, lease: float = 30.0, device: str = "cpu"
-) -> AsyncIterator[Prefill]:
-    """``tp`` prefill ranks of this process behind one control server."""
-    async with AsyncExitStack() as stack:
-        tg = await stack.enter_async_context(anyio.create_task_group())
-        server = akv.ControlServer()
-        endpoint = await tg.start(server.serve)
-        engine = Prefill(spec, [], str(endpoint))
-        for r in range(tp):
-
-            def on_release(rel: akv.Release) -> None:
-                engine.releases[(rel.request_id, rel.reason)] += 1
-
-            engine.producers.append(
-                await stack.enter_async_context(
-                    akv.Producer(
-                        akv.allocate_kv_cache(spec, r, tp, device=device),
-                        spec,
-                        tp_rank=r,
-                        tp_size=tp,
-                        server=server,
-                        lease=lease,
-                        on_release=on_release,
-                    )
-                )
-            )
-        yield engine
-        tg.cancel_scope.cancel()
 
 
 async def pull_everything(
@@ -82,7 +39,7 @@ async def pull_everything(
     device: str = "cpu",
     copy_with: str = "auto",
     views: bool = False,
-) -> tuple[list[akv.TransferResult], Prefill]:
+) -> tuple[list[akv.TransferResult], Engine]:
     """Expose ``requests`` requests on a P-rank engine, pull each on every one of D decode
     ranks (every other one after a one-block prefix hit), verify every byte read."""
     cache = as_cache(pspec)
@@ -125,7 +82,7 @@ async def pull_everything(
                 assert verify_request(
                     consumer.kv_caches, dspec, r, d, local, req.seed, num_tokens=req.num_tokens
                 ), (req.request_id, r)
-        await wait_for(lambda: sum(engine.releases.values()) == p * requests, timeout=10)
+        await wait_for(lambda: sum(engine.reasons.values()) == p * requests, timeout=10)
     return results, engine
 
 
@@ -178,7 +135,7 @@ async def test_torch_copies_match_nixl_reads(pspec: Any, dspec: Any, p: int, d: 
     tensors, moves exactly what NIXL reads move."""
     copied, engine = await pull_everything(pspec, dspec, p, d, "auto", copy_with="torch")
     assert {r.path for r in copied} == {"copy"}
-    assert set(engine.releases.values()) == {p} and {why for _, why in engine.releases} == {"read"}
+    assert set(engine.reasons.values()) == {p} and {why for _, why in engine.reasons} == {"read"}
 
 
 @pytest.mark.parametrize("copy_with", ["auto", "torch"])
@@ -199,8 +156,8 @@ async def test_copy_path_matches_nixl_reads(pspec: Any, dspec: Any, p: int, d: i
     assert [(r.bytes, r.descriptors, r.reads) for r in copied] == [
         (r.bytes, r.descriptors, r.reads) for r in read
     ]
-    assert {reason for _, reason in eng_c.releases} == {"read"} == {reason for _, reason in eng_r.releases}
-    assert set(eng_c.releases.values()) == {p} == set(eng_r.releases.values())  # once per rank and request
+    assert {reason for _, reason in eng_c.reasons} == {"read"} == {reason for _, reason in eng_r.reasons}
+    assert set(eng_c.reasons.values()) == {p} == set(eng_r.reasons.values())  # once per rank and request
 
 
 async def test_large_dram_copies_run_off_the_event_loop() -> None:
@@ -208,7 +165,7 @@ async def test_large_dram_copies_run_off_the_event_loop() -> None:
     spec = make_spec(kv_heads=4)
     results, engine = await pull_everything(spec, spec, 2, 1, "auto", inline=0)
     assert {r.path for r in results} == {"copy"}
-    assert {reason for _, reason in engine.releases} == {"read"}
+    assert {reason for _, reason in engine.reasons} == {"read"}
 
 
 async def test_copy_path_keeps_the_exposure_check() -> None:
@@ -225,12 +182,12 @@ async def test_copy_path_keeps_the_exposure_check() -> None:
         with pytest.raises(akv.errors.OutsideExposureError):
             await (await session.pull("r", [0, 1, 2], [1, 2, 3]))
         engine.producers[0].expose("short", [5, 6])
-        await wait_for(lambda: ("short", "expired") in engine.releases)
+        await wait_for(lambda: ("short", "expired") in engine.reasons)
         with pytest.raises(akv.LeaseExpiredError):
             await (await session.pull("short", [0, 1], [5, 6]))
         result = await (await session.pull("r", [0, 1], [1, 2]))
         assert result.path == "copy"
-        await wait_for(lambda: ("r", "read") in engine.releases)
+        await wait_for(lambda: ("r", "read") in engine.reasons)
         assert consumer.metrics.counters["unsafe_reads"] == 3
 
 

@@ -11,10 +11,8 @@ import json
 import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -25,49 +23,9 @@ import akv
 from akv.geometry.cache import as_cache
 from akv.protocol.push import PushNotice, encode_push
 from akv.testing import fill_request, local_counts, make_requests, verify_request
-from tests.conftest import MODEL, make_spec, prefill_process, summary_of, wait_for
+from tests.conftest import MODEL, make_spec, prefill_engine, prefill_process, summary_of, wait_for
 
 pytestmark = pytest.mark.anyio
-
-
-@dataclass
-class Prefill:
-    producers: list[akv.Producer]
-    endpoint: str
-    releases: Counter[tuple[str, str]] = field(default_factory=Counter)
-
-
-@asynccontextmanager
-async def prefill_engine(
-    spec: Any, tp: int, lease: float = 30.0, modes: Sequence[str] = ("pull", "push")
-) -> AsyncIterator[Prefill]:
-    """``tp`` prefill ranks of this process behind one control server."""
-    async with AsyncExitStack() as stack:
-        tg = await stack.enter_async_context(anyio.create_task_group())
-        server = akv.ControlServer()
-        endpoint = await tg.start(server.serve)
-        engine = Prefill([], str(endpoint))
-        for r in range(tp):
-
-            def on_release(rel: akv.Release) -> None:
-                engine.releases[(rel.request_id, rel.reason)] += 1
-
-            engine.producers.append(
-                await stack.enter_async_context(
-                    akv.Producer(
-                        akv.allocate_kv_cache(spec, r, tp),
-                        spec,
-                        tp_rank=r,
-                        tp_size=tp,
-                        server=server,
-                        lease=lease,
-                        on_release=on_release,
-                        modes=modes,
-                    )
-                )
-            )
-        yield engine
-        tg.cancel_scope.cancel()
 
 
 def consumer(spec: Any, rank: int, size: int, **kw: Any) -> akv.Consumer:
@@ -163,12 +121,12 @@ async def test_push_streams_layers_bit_exact(pspec: Any, dspec: Any, p: int, d: 
                 assert verify_request(
                     c.kv_caches, dspec, c.tp_rank, d, local, req.seed, num_tokens=req.num_tokens
                 )
-        await wait_for(lambda: sum(engine.releases.values()) == p * len(reqs), timeout=10)
+        await wait_for(lambda: sum(engine.reasons.values()) == p * len(reqs), timeout=10)
         await anyio.sleep(0.05)  # no rank releases twice
         for req in reqs:
-            assert sum(n for (rid, _), n in engine.releases.items() if rid == req.request_id) == p
-        assert {why for _, why in engine.releases} <= {"pushed", "read"}
-        assert "pushed" in {why for _, why in engine.releases}
+            assert sum(n for (rid, _), n in engine.reasons.items() if rid == req.request_id) == p
+        assert {why for _, why in engine.reasons} <= {"pushed", "read"}
+        assert "pushed" in {why for _, why in engine.reasons}
 
 
 async def test_first_layer_lands_before_the_last_is_ready() -> None:
@@ -222,7 +180,7 @@ async def test_announcement_before_the_exposure_is_served_once_exposed() -> None
         prod.expose(req.request_id, req.block_ids)
         assert (await t).path == "push"
         assert verify_request(c.kv_caches, spec, 0, 1, [4, 5, 6], req.seed, num_tokens=req.num_tokens)
-        await wait_for(lambda: engine.releases[(req.request_id, "pushed")] == 1)
+        await wait_for(lambda: engine.reasons[(req.request_id, "pushed")] == 1)
 
 
 async def test_cancel_waits_for_writers_and_nothing_lands_after() -> None:
@@ -313,12 +271,12 @@ async def test_lease_expired_before_the_announcement_fails_fast() -> None:
     async with prefill_engine(spec, 1, lease=0.2) as engine, consumer(spec, 0, 1, transfer_timeout=20) as c:
         engine.producers[0].expose(req.request_id, req.block_ids)
         session = await c.connect(engine.endpoint)
-        await wait_for(lambda: engine.releases[(req.request_id, "expired")] == 1)
+        await wait_for(lambda: engine.reasons[(req.request_id, "expired")] == 1)
         started = time.monotonic()
         with pytest.raises(akv.errors.LeaseExpiredError):
             await (await session.pull(req.request_id, [0, 1], req.block_ids))
         assert time.monotonic() - started < 2
-        assert sum(engine.releases.values()) == 1
+        assert sum(engine.reasons.values()) == 1
 
 
 @pytest.mark.parametrize(("served", "asked"), [(("pull",), "push"), (("push",), "pull")])

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from anyio.abc import TaskGroup
 
+from akv._poll import from_threads
 from akv.backends import Reaper, mem_type
 from akv.errors import (
     AkvError,
@@ -265,6 +266,7 @@ class Consumer(RankBase):
             if self.staging is not None or self.transfer == "direct":
                 return
             staging = StagingPool(self.pack_staging_bytes, self.kv_caches[0])
+            staging.wake = from_threads(self._backoff.wake)
             directories = CheckPool(self._max_checks, DIR_WORDS)
             backend = self.backend
             await anyio.to_thread.run_sync(backend.register, [staging.tensor])

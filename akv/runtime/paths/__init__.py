@@ -10,7 +10,7 @@ ranks) when it is launched, and reports its outcome as a value.
 | --- | --- | --- |
 | ``"copy"`` | `akv.runtime.paths.copy` | every prefill rank the pull reads from lives in this process |
 | ``"push"`` | `akv.runtime.paths.push` | a consumer in push mode: the prefill ranks WRITE, layer by layer |
-| ``"packed"`` | `akv.runtime.paths.packed` | the prefill ranks keep packed copies (``transfer``): one READ per component and rank of the copy, then a torch scatter |
+| ``"packed"`` | `akv.runtime.paths.packed` | the prefill ranks keep packed copies (``transfer``): one READ per component and rank of the copy, then a scatter into the paged cache |
 | ``"read"`` | `akv.runtime.paths.read` | otherwise: NIXL READs of the paged runs |
 
 Every path keeps the guarantees of a pull: it reports success only if, once its bytes were

@@ -1,5 +1,6 @@
 """The packed path: read a prefill rank's packed copy of the request (`akv.packing`) into a
-local staging area with a few descriptors, check the exposure, then scatter with torch.
+local staging area with a few descriptors, check the exposure, then scatter (numpy on DRAM,
+torch on CUDA).
 
 Stages of one pull:
 
@@ -13,8 +14,9 @@ Stages of one pull:
    partial prefix hit; then the exposure check of the read path (`NixlRead`, the "done" notice riding on
    it), bound to the generation the directory named: the slot is freed only after its
    exposure was retired, so a passing check proves the bytes read were this request's.
-3. ``scattering``: torch writes the staged bytes into the paged cache, whatever its layout
-   and block size; the staging range is freed (exactly once, also on failure or abort:
+3. ``scattering``: `akv.packing.scatter` writes the staged bytes into the paged cache,
+   whatever its layout and block size (on the poller's thread, or for a large DRAM pull while
+   other packed pulls are in flight in the staging pool's worker thread); the staging range is freed (exactly once, also on failure or abort:
    then only once NIXL released every read that may still land in it).
 """
 
@@ -57,11 +59,13 @@ __all__ = [
 #: ``transfer="auto"``: a pull whose direct read would post more descriptors than this, of
 #: fewer than `AUTO_RUN_BYTES` bytes on average, reads the packed copy instead (measured with
 #: scripts/packed_threshold.py on DRAM: docs/performance.md#packed-transfers).
-AUTO_DESCRIPTORS = 1024
+AUTO_DESCRIPTORS = 512
 #: ... and the mean run below which descriptors cost more than the packed copy's scatter.
 AUTO_RUN_BYTES = 2048
 
-#: DRAM pulls of at least this many bytes are scattered in the staging pool's worker thread.
+#: DRAM pulls of at least this many bytes are scattered in the staging pool's worker thread
+#: while other packed pulls are in flight (alone, a pull scatters on the poller's thread: the
+#: hand-off costs more than it saves then, 2.0 against 2.4 GB/s on hnd_2->1_frag).
 WORKER_BYTES = 32 << 20
 
 #: Bytes of one directory bucket.
@@ -81,6 +85,10 @@ class StagingPool:
         self.mem_type = "VRAM" if like.is_cuda else "DRAM"
         self.device_id = int(like.device.index or 0) if like.is_cuda else 0
         self._worker: ThreadPoolExecutor | None = None
+        #: called from the worker thread when a scatter there is done (the consumer sets it
+        #: to wake its poller, which would otherwise sleep until its next tick)
+        self.wake: Callable[[], None] = lambda: None
+        self.active = 0  # packed pulls started and not finished
 
     @property
     def addr(self) -> int:
@@ -88,7 +96,8 @@ class StagingPool:
         return int(self.tensor.data_ptr())
 
     def worker(self) -> ThreadPoolExecutor:
-        """The thread that scatters large DRAM pulls (torch releases the GIL meanwhile)."""
+        """The thread that scatters large DRAM pulls while others are in flight (numpy releases
+        the GIL while it copies)."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="akv-scatter")
         return self._worker
@@ -230,6 +239,7 @@ class PackedRead:
         self._landed = False
         self._aborted = False
         self._job: concurrent.futures.Future[float] | None = None  # a scatter in the worker
+        self._active = False  # counted in staging.active
 
     @property
     def descriptors(self) -> int:
@@ -248,6 +258,8 @@ class PackedRead:
 
     def start(self) -> Failed | None:
         """Look up the request's packed copy on every prefill rank read from."""
+        self.staging.active += 1
+        self._active = True
         h = exposure.request_hash(self.request_id)
         for rank in sorted(self._ranks):
             link = self.links.get(rank)
@@ -450,16 +462,18 @@ class PackedRead:
 
     def _scatter(self) -> Outcome:
         """Write the verified staged bytes into the paged cache (DRAM pulls of at least
-        `WORKER_BYTES` in the staging pool's worker thread, so the poller runs on); free the
-        staging range once done."""
+        `WORKER_BYTES` while other packed pulls are in flight: in the staging pool's worker
+        thread, so the poller runs on); free the staging range once done."""
         if self._job is None:
             base = self._staged
             if base is None:  # pragma: no cover - the reads were posted into a staging range
                 return Failed(TransferError(f"request {self.request_id!r} has no staging range"))
             total = sum(item.nbytes for item in self._items)
-            if self.staging.tensor.is_cuda or total < WORKER_BYTES:
+            alone = self.staging.active < 2
+            if self.staging.tensor.is_cuda or total < WORKER_BYTES or alone:
                 return self._scattered(self._scatter_all, base)
             self._job = self.staging.worker().submit(self._scatter_all, base)
+            self._job.add_done_callback(lambda _: self.staging.wake())
         if not self._job.done():
             return Pending()
         job, self._job = self._job, None
@@ -479,6 +493,9 @@ class PackedRead:
     def _forget(self) -> None:
         """Drop the prepared lists it holds (the links' directories, the checks, an unused
         direct read): a finished op must not keep a replaced agent alive."""
+        if self._active:
+            self._active = False
+            self.staging.active -= 1
         self.links = {}
         self.checks = {}
         if self.direct is not None and self.direct is not self.fallback:
