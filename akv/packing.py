@@ -47,6 +47,8 @@ __all__ = [
     "PackDirectory",
     "Section",
     "find",
+    "gather",
+    "scatter",
     "sections",
 ]
 
@@ -208,14 +210,16 @@ def scatter(
     staged: Any,
     blocks: npt.NDArray[np.int64],
     positions: npt.NDArray[np.int64],
+    torch_ops: bool | None = None,
 ) -> None:
     """Write ``staged`` (uint8 bytes ``[units][layers][tokens][run]``) into the paged cache:
     token ``k`` goes to block ``blocks[k]``, position ``positions[k]``; ``local_units`` are
     global units this rank holds.
 
-    DRAM: numpy fancy-index assignments on views built once (2-2.5x torch's index copies on
-    these transposes: 11.3 against 4.6 GB/s on NHD, scripts/scatter_bench.py); CUDA: torch
-    index copies on the current stream."""
+    ``torch_ops`` None: numpy fancy-index assignments on DRAM (views built once; 2-2.5x
+    torch's index copies on these transposes: 11.3 against 4.6 GB/s on NHD,
+    scripts/scatter_bench.py), torch index copies on CUDA (on the current stream); True or
+    False picks torch or numpy (numpy needs DRAM)."""
     w, spans = views.get(gi, ci)
     gl = views.layout.groups[gi]
     p = gl.placements[ci]
@@ -224,7 +228,7 @@ def scatter(
     u0, u1 = local_units.start - p.units.start, local_units.stop - p.units.start
     bs = gl.group.block_size if gl.group.tokens else 1
     whole = len(blocks) % bs == 0 and bool((positions.reshape(-1, bs) == np.arange(bs)).all())
-    if not staged.is_cuda:  # numpy views built once; per layer span one assignment
+    if not (staged.is_cuda if torch_ops is None else torch_ops):  # one assignment per span
         host = src.numpy()
         if whole:
             bl = blocks[::bs]

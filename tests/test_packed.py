@@ -11,12 +11,16 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
+import torch
 
 import akv
 from akv.backends import XferHandle, XferState
 from akv.backends.nixl import NixlBackend
 from akv.geometry.cache import as_cache
+from akv.geometry.layout import rank_layout
+from akv.packing import CacheViews, scatter
 from akv.runtime.paths.packed import WORKER_BYTES
 from akv.testing import fill_request, local_counts, make_requests, verify_request
 from tests.conftest import Engine, make_spec, prefill_engine, wait_for
@@ -485,3 +489,46 @@ def test_the_command_line_refuses_packed_copies_in_push_mode(command: str) -> No
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 64, proc.stderr
     assert "--transfer packed" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(make_spec(kv_heads=8, layout="NHD", block_size=4, num_blocks=16), id="nhd"),
+        pytest.param(make_spec(kv_heads=8, layout="HND", block_size=4, num_blocks=16), id="hnd"),
+        pytest.param(
+            make_spec(kv_heads=8, layout="head-major", block_size=4, num_blocks=16), id="head-major"
+        ),
+        pytest.param(make_spec(mla=True, block_size=4, num_blocks=16), id="mla"),
+        pytest.param(
+            akv.preset("qwen3-next-80b", layers=4, blocks=16, dtype="float32", layout="head-major"),
+            id="hybrid",
+        ),
+    ],
+)
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-blocks", "some-positions"])
+def test_the_numpy_and_torch_scatters_write_the_same_bytes(spec: Any, partial: bool) -> None:
+    """The DRAM scatter (numpy) and the one CUDA pulls use (torch index copies), run on the
+    same staged bytes of every group and component of a decode rank of TP 2, whole blocks or
+    some positions of each block (mixed block sizes), write identical caches (the pulls above
+    check the numpy one bit-exact end to end)."""
+    cache = as_cache(spec)
+    layout = rank_layout(cache, 0, 2)
+    caches = {kind: akv.allocate_kv_cache(spec, 0, 2) for kind in ("numpy", "torch")}
+    views = {kind: CacheViews(kv, layout) for kind, kv in caches.items()}
+    rng = np.random.default_rng(31)
+    for gi, gl in enumerate(layout.groups):
+        g = gl.group
+        bs = g.block_size if g.tokens else 1
+        chosen = rng.permutation(g.num_blocks)[:3].astype(np.int64)
+        keep = np.arange(0, bs, 2) if partial and bs > 1 else np.arange(bs)
+        blocks, positions = np.repeat(chosen, len(keep)), np.tile(keep, len(chosen))
+        for ci, placement in enumerate(gl.placements):
+            units = range(placement.units.start, placement.units.stop)
+            nbytes = len(units) * len(g.layers) * len(blocks) * placement.run
+            staged = torch.from_numpy(rng.integers(1, 255, nbytes, dtype=np.uint8))
+            for kind in ("numpy", "torch"):
+                scatter(views[kind], gi, ci, units, staged, blocks, positions, torch_ops=kind == "torch")
+    for a, b in zip(caches["numpy"], caches["torch"], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bytes: random ones make NaNs
+    assert any(bool(t.view(torch.uint8).any()) for t in caches["numpy"])
