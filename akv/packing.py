@@ -227,7 +227,11 @@ def scatter(
     src = staged.view(_dtype(w)).view(units, nl, len(blocks), rw)
     u0, u1 = local_units.start - p.units.start, local_units.stop - p.units.start
     bs = gl.group.block_size if gl.group.tokens else 1
-    whole = len(blocks) % bs == 0 and bool((positions.reshape(-1, bs) == np.arange(bs)).all())
+    whole = (
+        len(blocks) % bs == 0
+        and bool((positions.reshape(-1, bs) == np.arange(bs)).all())
+        and bool((blocks.reshape(-1, bs) == blocks[::bs, None]).all())
+    )
     if not (staged.is_cuda if torch_ops is None else torch_ops):  # one assignment per span
         host = src.numpy()
         if whole:

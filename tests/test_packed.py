@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections import Counter
 from contextlib import AsyncExitStack
 from typing import Any
@@ -325,6 +326,8 @@ async def test_concurrent_large_packed_pulls_scatter_off_the_event_loop_bit_exac
                 assert verify_request(
                     consumer.kv_caches, spec, 0, 1, local, req.seed, num_tokens=req.num_tokens
                 )
+        assert any(t.name.startswith("akv-scatter") for t in threading.enumerate())  # the worker ran
+        assert consumer.staging is not None and consumer.staging.active == 0
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
@@ -356,6 +359,7 @@ async def test_a_timed_out_packed_pull_frees_its_staging_once() -> None:
         result = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
         assert result.path == "packed"
         assert verify_request(consumer.kv_caches, spec, 0, 1, [3, 4, 5], reqs[1].seed)
+        assert consumer.staging is not None and consumer.staging.active == 0
 
 
 class HeldThenRefused(NixlBackend):
@@ -407,6 +411,7 @@ async def test_a_packed_pull_failing_mid_post_keeps_its_staging_until_its_reads_
         after = await (await session.pull(reqs[2].request_id, [6, 7, 8], reqs[2].block_ids))
         assert after.path == "packed"
         assert verify_request(consumer.kv_caches, spec, 0, 1, [6, 7, 8], reqs[2].seed)
+        assert consumer.staging is not None and consumer.staging.active == 0
 
 
 @pytest.mark.parametrize(("layout", "packs"), [("HND", True), ("head-major", False)])
@@ -509,7 +514,8 @@ def test_the_command_line_refuses_packed_copies_in_push_mode(command: str) -> No
 @pytest.mark.parametrize("partial", [False, True], ids=["whole-blocks", "some-positions"])
 def test_the_numpy_and_torch_scatters_write_the_same_bytes(spec: Any, partial: bool) -> None:
     """The DRAM scatter (numpy) and the one CUDA pulls use (torch index copies), run on the
-    same staged bytes of every group and component of a decode rank of TP 2, whole blocks or
+    same staged bytes of every group and component of a decode rank of TP 2 (each half of its
+    units apart, where it holds more than one), whole blocks or
     some positions of each block (mixed block sizes), write identical caches (the pulls above
     check the numpy one bit-exact end to end)."""
     cache = as_cache(spec)
@@ -524,11 +530,15 @@ def test_the_numpy_and_torch_scatters_write_the_same_bytes(spec: Any, partial: b
         keep = np.arange(0, bs, 2) if partial and bs > 1 else np.arange(bs)
         blocks, positions = np.repeat(chosen, len(keep)), np.tile(keep, len(chosen))
         for ci, placement in enumerate(gl.placements):
-            units = range(placement.units.start, placement.units.stop)
-            nbytes = len(units) * len(g.layers) * len(blocks) * placement.run
-            staged = torch.from_numpy(rng.integers(1, 255, nbytes, dtype=np.uint8))
-            for kind in ("numpy", "torch"):
-                scatter(views[kind], gi, ci, units, staged, blocks, positions, torch_ops=kind == "torch")
+            held = placement.units  # in halves (as from two prefill ranks), where it can be
+            cut = held.start + max(1, len(held) // 2)
+            for units in (range(held.start, cut), range(cut, held.stop)):
+                if not units:
+                    continue
+                nbytes = len(units) * len(g.layers) * len(blocks) * placement.run
+                staged = torch.from_numpy(rng.integers(1, 255, nbytes, dtype=np.uint8))
+                for kind in ("numpy", "torch"):
+                    scatter(views[kind], gi, ci, units, staged, blocks, positions, torch_ops=kind == "torch")
     for a, b in zip(caches["numpy"], caches["torch"], strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bytes: random ones make NaNs
     assert any(bool(t.view(torch.uint8).any()) for t in caches["numpy"])

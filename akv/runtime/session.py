@@ -123,7 +123,7 @@ class TransferResult(msgspec.Struct, frozen=True):
         seconds: wall time from launch to completion.
         path: how the bytes moved: ``"copy"`` (torch, the prefill ranks live in this
             process), ``"read"`` (NIXL READs), ``"packed"`` (NIXL READs of the prefill
-            ranks' packed copies, then a torch scatter) or ``"push"`` (the prefill ranks WRITE).
+            ranks' packed copies, then a scatter into the paged cache) or ``"push"`` (the prefill ranks WRITE).
     """
 
     request_id: str

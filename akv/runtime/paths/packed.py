@@ -88,7 +88,7 @@ class StagingPool:
         #: called from the worker thread when a scatter there is done (the consumer sets it
         #: to wake its poller, which would otherwise sleep until its next tick)
         self.wake: Callable[[], None] = lambda: None
-        self.active = 0  # packed pulls started and not finished
+        self.active = 0  # packed pulls started, not finished and not fallen back
 
     @property
     def addr(self) -> int:
@@ -257,9 +257,20 @@ class PackedRead:
     # -- stages ---------------------------------------------------------------------------
 
     def start(self) -> Failed | None:
-        """Look up the request's packed copy on every prefill rank read from."""
+        """Look up the request's packed copy on every prefill rank read from (a pull whose
+        start fails is no longer counted in ``staging.active``)."""
         self.staging.active += 1
         self._active = True
+        try:
+            failed = self._start()
+        except BaseException:
+            self._uncount()
+            raise
+        if failed is not None:
+            self._uncount()
+        return failed
+
+    def _start(self) -> Failed | None:
         h = exposure.request_hash(self.request_id)
         for rank in sorted(self._ranks):
             link = self.links.get(rank)
@@ -493,9 +504,7 @@ class PackedRead:
     def _forget(self) -> None:
         """Drop the prepared lists it holds (the links' directories, the checks, an unused
         direct read): a finished op must not keep a replaced agent alive."""
-        if self._active:
-            self._active = False
-            self.staging.active -= 1
+        self._uncount()
         self.links = {}
         self.checks = {}
         if self.direct is not None and self.direct is not self.fallback:
@@ -518,12 +527,19 @@ class PackedRead:
 
     # -- fallback and cleanup ---------------------------------------------------------------
 
+    def _uncount(self) -> None:
+        """No longer a packed pull in flight (once)."""
+        if self._active:
+            self._active = False
+            self.staging.active -= 1
+
     def _fall_back(self, why: str) -> Failed | None:
         """Read the paged blocks instead (the read path), if the pull may."""
         if self.direct is None:
             return Failed(TransferError(f"request {self.request_id!r} cannot be read packed: {why}"))
         self.path = "read"
         self.fallback = self.direct
+        self._uncount()  # it scatters nothing now
         return self.fallback.start()
 
     def _on_landed(self) -> None:
