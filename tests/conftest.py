@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import akv
-from akv.testing import expected_blocks, spawn_prefill
+from akv.geometry.cache import as_cache
+from akv.testing import expected_blocks, local_counts, spawn_prefill
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -113,6 +114,15 @@ class Engine:
                 )
             generations.append(p.expose(request_id, block_ids, lease=lease))
         return generations[0]
+
+
+def local_ids(spec: Any, n: int, num_tokens: int, hit: int = 0) -> Any:
+    """Decode block ids for the ``n``-th request of ``num_tokens`` tokens after a prefix hit
+    of ``hit`` blocks (8 blocks apart per request; per group for a hybrid cache)."""
+    cache = as_cache(spec)
+    counts = local_counts(spec, num_tokens, hit=hit)
+    ids = {g.name: list(range(n * 8, n * 8 + counts[g.name])) for g in cache.groups}
+    return ids[cache.groups[0].name] if len(cache.groups) == 1 else ids
 
 
 def make_spec(kv_heads: int = 4, mla: bool = False, **kw: object) -> akv.KVSpec:

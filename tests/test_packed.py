@@ -23,8 +23,8 @@ from akv.geometry.cache import as_cache
 from akv.geometry.layout import rank_layout
 from akv.packing import CacheViews, scatter
 from akv.runtime.paths.packed import WORKER_BYTES
-from akv.testing import fill_request, local_counts, make_requests, verify_request
-from tests.conftest import Engine, make_spec, prefill_engine, wait_for
+from akv.testing import fill_request, make_requests, verify_request
+from tests.conftest import Engine, local_ids, make_spec, prefill_engine, wait_for
 from tests.test_paths import PAIRS
 
 pytestmark = pytest.mark.anyio
@@ -42,14 +42,6 @@ def expose_all(engine: Engine, spec: Any, reqs: list[Any]) -> None:
             tp = len(engine.producers)
             fill_request(prod.kv_caches, spec, prod.tp_rank, tp, req.block_ids, req.seed, req.num_tokens)
             prod.expose(req.request_id, req.block_ids)
-
-
-def local_ids(dspec: Any, req: Any, n: int, hit: int) -> Any:
-    """Decode block ids for request ``n`` after a prefix hit of ``hit`` blocks."""
-    counts = local_counts(dspec, req.num_tokens, hit=hit)
-    cache = as_cache(dspec)
-    local: Any = {g.name: list(range(n * 8, n * 8 + counts[g.name])) for g in cache.groups}
-    return local[cache.groups[0].name] if len(cache.groups) == 1 else local
 
 
 async def pull_all(
@@ -82,7 +74,7 @@ async def pull_all(
             )
             session = await consumer.connect(engine.endpoint)
             for n, req in enumerate(reqs):
-                local = local_ids(dspec, req, n, n % 2)
+                local = local_ids(dspec, n, req.num_tokens, hit=n % 2)
                 transfer_ = await session.pull(
                     akv.PullRequest(
                         request_id=req.request_id,

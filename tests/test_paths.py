@@ -16,9 +16,8 @@ import pytest
 import torch
 
 import akv
-from akv.geometry.cache import as_cache
-from akv.testing import fetch_requests, fill_request, local_counts, make_requests, verify_request
-from tests.conftest import Engine, make_spec, prefill_engine, prefill_process, wait_for
+from akv.testing import fetch_requests, fill_request, make_requests, verify_request
+from tests.conftest import Engine, local_ids, make_spec, prefill_engine, prefill_process, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +41,6 @@ async def pull_everything(
 ) -> tuple[list[akv.TransferResult], Engine]:
     """Expose ``requests`` requests on a P-rank engine, pull each on every one of D decode
     ranks (every other one after a one-block prefix hit), verify every byte read."""
-    cache = as_cache(pspec)
     reqs = make_requests(pspec, requests, 3, seed=7)
     results = []
     async with prefill_engine(pspec, p, device=device) as engine, AsyncExitStack() as stack:
@@ -64,12 +62,7 @@ async def pull_everything(
             )
             session = await consumer.connect(engine.endpoint)
             for n, req in enumerate(reqs):
-                counts = local_counts(dspec, req.num_tokens, hit=n % 2)
-                local: Any = {
-                    g.name: list(range(n * 8, n * 8 + counts[g.name])) for g in as_cache(dspec).groups
-                }
-                if len(cache.groups) == 1:
-                    local = local[cache.groups[0].name]
+                local = local_ids(dspec, n, req.num_tokens, hit=n % 2)
                 transfer = await session.pull(
                     akv.PullRequest(
                         request_id=req.request_id,

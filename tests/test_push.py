@@ -22,8 +22,8 @@ import torch
 import akv
 from akv.geometry.cache import as_cache
 from akv.protocol.push import PushNotice, encode_push
-from akv.testing import fill_request, local_counts, make_requests, verify_request
-from tests.conftest import MODEL, make_spec, prefill_engine, prefill_process, summary_of, wait_for
+from akv.testing import fill_request, make_requests, verify_request
+from tests.conftest import MODEL, local_ids, make_spec, prefill_engine, prefill_process, summary_of, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -34,12 +34,6 @@ def consumer(spec: Any, rank: int, size: int, **kw: Any) -> akv.Consumer:
     return akv.Consumer(
         akv.allocate_kv_cache(spec, rank, size), spec, tp_rank=rank, tp_size=size, same_process="nixl", **kw
     )
-
-
-def local_ids(spec: Any, n: int, num_tokens: int, hit: int) -> Any:
-    counts = local_counts(spec, num_tokens, hit=hit)
-    ids = {g.name: list(range(n * 8, n * 8 + counts[g.name])) for g in as_cache(spec).groups}
-    return ids[as_cache(spec).groups[0].name] if len(ids) == 1 else ids
 
 
 def written(kv: Sequence[torch.Tensor]) -> int:

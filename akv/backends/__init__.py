@@ -90,6 +90,7 @@ class Backend(Protocol):
         *,
         merge: bool = True,
     ) -> XferHandle: ...
+
     def read_descs(
         self,
         agent: str,

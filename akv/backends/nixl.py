@@ -338,6 +338,10 @@ class NixlBackend:
             handle = self._agent.make_prepped_xfer(
                 op, local, local_idx, remote, remote_idx, notif, skip_desc_merge=not merge
             )
+        return self._submit(handle, what)
+
+    def _submit(self, handle: XferHandle, what: str) -> XferHandle:
+        """Post a created transfer (tracked until released); a refused one is released."""
         self._xfers.add(handle)
         try:
             with map_exceptions(f"posting the {what} failed", TransferError):
@@ -372,17 +376,7 @@ class NixlBackend:
                 agent,
                 notif,
             )
-        self._xfers.add(handle)
-        try:
-            with map_exceptions("posting the read failed", TransferError):
-                state = self._agent.transfer(handle)
-        except TransferError:
-            self.release(handle)
-            raise
-        if state == "ERR":
-            self.release(handle)
-            raise TransferError("NIXL refused to post the read")
-        return handle
+        return self._submit(handle, "read")
 
     @on_device
     def state(self, handle: XferHandle) -> XferState:

@@ -841,15 +841,21 @@ class TransferSession:
                 raise launched.error
             return launched, plan.notify
         read = self._direct(prepared, request_id, notice, generation)
-        failed = read.start()
-        if failed is not None:
-            self.mark_broken(failed.error, failed.rank)
-            c.reap()
-            c.metrics.inc("transfers_failed")
-            if c.reaper.holds(read):  # reads posted before the failure may still land
-                raise _Unsettled(failed.error, read)
-            raise failed.error
+        self._started(read, read.start())
         return read, prepared.standalone
+
+    def _started(self, op: PathOp, failed: Failed | None) -> None:
+        """Raise the error of a launch whose start failed (`_Unsettled` while reads it posted
+        may still land)."""
+        if failed is None:
+            return
+        c = self.consumer
+        self.mark_broken(failed.error, failed.rank)
+        c.reap()
+        c.metrics.inc("transfers_failed")
+        if c.reaper.holds(op):  # reads posted before the failure may still land
+            raise _Unsettled(failed.error, op)
+        raise failed.error
 
     def _direct(self, prepared: Prepared, request_id: str, notice: bytes, generation: int) -> NixlRead:
         """The read path's op for a prepared request (not started)."""
@@ -904,14 +910,7 @@ class TransferSession:
             prefill_tp=self.prefill_tp,
             direct=None if early else self._direct(prepared, request_id, notice, generation),
         )
-        failed = op.start()
-        if failed is not None:
-            self.mark_broken(failed.error, failed.rank)
-            c.reap()
-            c.metrics.inc("transfers_failed")
-            if c.reaper.holds(op):  # reads posted before the failure may still land
-                raise _Unsettled(failed.error, op)
-            raise failed.error
+        self._started(op, op.start())
         return op, prepared.standalone
 
     def _launch_push(self, prepared: Prepared, req: PullRequest) -> PushOp:
