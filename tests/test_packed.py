@@ -288,6 +288,37 @@ def test_demo_with_packed_transfers_says_packed() -> None:
     assert bad.stderr.strip().splitlines() == ["akv demo: --pack-pool-mib must be >= 1, got 0"]
 
 
+def test_bench_reports_a_packed_pulls_stages() -> None:
+    """`akv bench --transfer packed` reads every request of `head_sliced_nhd` packed, with a
+    few descriptors where the direct read posts one per token, layer and plane, and reports
+    each stage of a packed pull: lookup, read and scatter all took time, and together no
+    longer than the slowest request (each of the two decode ranks pulls once per request)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "akv",
+            "bench",
+            "--quick",
+            "--transfer",
+            "packed",
+            "--only",
+            "head_sliced_nhd",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (w,) = json.loads(proc.stdout.splitlines()[-1])["workloads"]
+    assert w["transfer"] == "packed" and w["paths"] == {"packed": 16}  # 8 requests x 2 decode ranks
+    assert w["descriptors"] * 20 <= w["nixl_descriptors_submitted"]
+    stages = [w["lookup_ms"], w["read_ms"], w["unpack_ms"]]
+    assert all(ms > 0 for ms in stages) and w["pack_ms"] > 0
+    assert sum(stages) <= w["p99_ms"]
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_concurrent_large_packed_pulls_scatter_off_the_event_loop_bit_exact() -> None:
     """Packed pulls of more than WORKER_BYTES staged at once (scattered in the staging pool's

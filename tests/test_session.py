@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
+from typing import Any
 
 import anyio
 import pytest
 
 import akv
+import akv.backends.nixl
 from akv.backends import XferHandle, XferState
 from akv.backends.nixl import NixlBackend
 from tests.conftest import decode_engine, make_spec, prefill_engine, verify, wait_for
@@ -42,7 +45,8 @@ async def test_concurrent_pulls_verify_and_release_once() -> None:
         )
         snap = consumers[0].metrics.snapshot()
         assert snap.counters["transfers"] == 20 and snap.transfers.count == 20
-        assert not consumers[0].backend.active_transfers  # every NIXL handle released
+        # every NIXL handle released (the background flushes once the prefill handled the notices)
+        await wait_for(lambda: not consumers[0].backend.active_transfers)
 
 
 async def test_cancelled_waiter_leaves_no_dangling_transfer() -> None:
@@ -57,8 +61,9 @@ async def test_cancelled_waiter_leaves_no_dangling_transfer() -> None:
         result = await transfer  # still completes
         assert transfer.done() and result.bytes == 32 * spec.block_bytes(0, 1) * spec.num_regions
         assert verify(consumer, list(range(32, 64)), 3, range(32))
-        assert not consumer.backend.active_transfers and not consumer.inflight
+        assert not consumer.inflight
         await wait_for(lambda: [r.reason for r in engine.releases] == ["read"])
+        await wait_for(lambda: not consumer.backend.active_transfers)
 
 
 async def test_partial_prefix_hit_and_full_hit() -> None:
@@ -340,3 +345,102 @@ async def test_a_pull_is_bound_to_the_exposure_it_started_under() -> None:
             await (await session.pull(akv.PullRequest(request_id="r", generation=new, **ids)))
             assert verify(consumer, [0, 1], 2, range(2))
             await wait_for(lambda: [r.reason for r in engine.releases] == ["expired", "read"])
+
+
+class Recording(NixlBackend):
+    """The real backend, recording in order the READs posted (remote agent, notice, local
+    indices) and the notices sent."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.agent_of: dict[object, str] = {}
+        self.ops: list[tuple[str, str, bytes, list[int]]] = []
+
+    def prep(self, agent: str, table: Any, mem_type: str) -> Any:
+        handle = super().prep(agent, table, mem_type)
+        self.agent_of[handle] = agent
+        return handle
+
+    def read(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, **kw: Any) -> Any:
+        self.ops.append(("read", self.agent_of.get(remote, "?"), notif, [int(i) for i in local_idx]))
+        return super().read(local, local_idx, remote, remote_idx, notif, **kw)
+
+    def notify(self, agent: str, message: bytes) -> None:
+        self.ops.append(("notify", agent, message, []))
+        super().notify(agent, message)
+
+
+@pytest.mark.parametrize("kind", ["dense", "mla"])
+async def test_every_notice_is_followed_by_a_background_flush_read(kind: str) -> None:
+    """Each "done" notice to a prefill rank, carried by the exposure check or sent alone (MLA:
+    to the rank not read from), is followed at once by a small READ of that rank into the
+    check pool's scratch slot (so the next pull's first READ does not wait for the rank to
+    acknowledge the notice); the flush reads end on their own, and later pulls still verify."""
+    spec = make_spec(kv_heads=4, mla=kind == "mla")
+    backend = Recording(f"recording-{kind}-{id(spec)}")
+    async with (
+        prefill_engine(spec, 2) as engine,
+        decode_engine(spec, 1, same_process="nixl", backend=backend) as (consumer,),
+    ):
+        session = await consumer.connect(engine.endpoint)
+        for i in range(3):
+            engine.fill(f"r{i}", [i], seed=i)
+            await (await session.pull(f"r{i}", [i + 4], [i]))
+            assert verify(consumer, [i + 4], i, range(1))
+        scratch = consumer.checks.scratch
+        await wait_for(lambda: sum(op[3] == [scratch] for op in backend.ops) == 6)
+        noticed: Counter[str] = Counter()
+        for agent in {op[1] for op in backend.ops}:
+            ops = [op for op in backend.ops if op[1] == agent]
+            for k, (what, _, notice, _) in enumerate(ops):
+                if notice:
+                    noticed[what] += 1
+                    assert ops[k + 1][0] == "read" and ops[k + 1][2:] == (b"", [scratch]), ops[k : k + 2]
+        assert noticed == ({"read": 3, "notify": 3} if kind == "mla" else {"read": 6})
+        await wait_for(lambda: not backend.active_transfers)
+
+
+class FlushesHang(NixlBackend):
+    """The real backend; the flush reads (those landing in the ``scratch`` slot) report
+    "PROC" while ``hang`` is set, as they would from a prefill process that stopped polling."""
+
+    def __init__(self, name: str, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.scratch, self.hang = -1, True
+        self.flushes: set[object] = set()
+
+    def read(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, **kw: Any) -> Any:
+        handle = super().read(local, local_idx, remote, remote_idx, notif, **kw)
+        if list(local_idx) == [self.scratch]:
+            self.flushes.add(handle)
+        return handle
+
+    def state(self, handle: XferHandle) -> XferState:
+        done = super().state(handle)
+        return "PROC" if self.hang and handle in self.flushes else done
+
+
+async def test_a_flush_read_that_never_ends_neither_resets_the_agent_nor_holds_pulls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Flush reads still running long past ``settle_timeout`` are background work: the rank
+    does not replace its agent for them (as it would for a failed pull's reads), pulls keep
+    completing on it without a new handshake, and the handles are released once they end."""
+    spec = make_spec(kv_heads=4)
+    async with prefill_engine(spec, 1) as engine:
+        monkeypatch.setattr(akv.backends.nixl, "NixlBackend", FlushesHang)  # the agent the rank creates
+        async with decode_engine(spec, 1, same_process="nixl", settle_timeout=0.2) as (consumer,):
+            backend = consumer.backend
+            assert isinstance(backend, FlushesHang)
+            backend.scratch = consumer.checks.scratch
+            session = await consumer.connect(engine.endpoint)
+            for i in range(3):
+                engine.fill(f"r{i}", [i], seed=i)
+                await (await session.pull(f"r{i}", [i + 4], [i]))
+                assert verify(consumer, [i + 4], i, range(1))
+                await anyio.sleep(0.3)  # past settle_timeout, with the flush reads still "running"
+            assert len(backend.flushes) == 3 and backend.active_transfers >= 3
+            assert consumer.backend is backend and consumer.metrics.counters["agent_resets"] == 0
+            assert consumer.metrics.counters["handshakes"] == 1
+            backend.hang = False
+            await wait_for(lambda: not backend.active_transfers)

@@ -131,7 +131,12 @@ class Reaper:
     Handles are held per ``owner`` (the op that posted them), so the runtime can tell whether
     an op settled (`holds`), and how long the oldest one waits (`oldest`); once the backend is
     closed (its agent destroyed, so nothing it started can land), everything held is settled.
+    ``background`` handles (reads no pull waits for, landing where nothing reads) are only
+    released: they count in neither `holds` nor `oldest`.
     """
+
+    #: the owner of background handles
+    BACKGROUND: object = object()
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -155,9 +160,12 @@ class Reaper:
         owner: object = None,
         *,
         done: bool = False,
+        background: bool = False,
     ) -> None:
         """Release ``handle`` now if NIXL says it is finished (``done``: the caller just saw it
-        DONE), else hold it (see `retry`)."""
+        DONE), else hold it (see `retry`; ``background``: see the class)."""
+        if background:
+            owner = self.BACKGROUND
         if self.backend.closed or ((done or self._dead(handle)) and self.backend.release(handle)):
             if then is not None:
                 then()
@@ -181,7 +189,7 @@ class Reaper:
 
     def oldest(self) -> float | None:
         """``time.monotonic()`` when the oldest handle held was dropped, None if none is."""
-        return min((held[2] for held in self._held.values()), default=None)
+        return min((held[2] for held in self._held.values() if held[1] is not self.BACKGROUND), default=None)
 
     def abandon(self) -> None:
         """The backend was closed (its agent destroyed: nothing it started can land): settle

@@ -138,6 +138,8 @@ class Figures:
     transfer: str = "direct"
     pack_ms: float = 0.0  # prefill side: gather of one request into its packed copy
     unpack_s: float = 0.0  # decode side: scatters of packed pulls, summed
+    lookup_s: float = 0.0  # decode side: directory lookups of packed pulls, summed
+    read_s: float = 0.0  # decode side: reads (and exposure checks) of packed pulls, summed
     paths: dict[str, int] = field(default_factory=dict)
 
 
@@ -520,7 +522,10 @@ class _Methods:
             if record and checked:
                 self.fig.descriptors_submitted += res.descriptors
                 self.fig.paths[res.path] = self.fig.paths.get(res.path, 0) + 1
-                self.fig.unpack_s += getattr(t.op, "scatter_s", 0.0)
+                if res.path == "packed":
+                    self.fig.lookup_s += t.op.lookup_s
+                    self.fig.read_s += t.op.read_s
+                    self.fig.unpack_s += t.op.scatter_s
         seconds = time.perf_counter() - t0
         if record:
             latency.extend([seconds * 1e3] * len(batch))
@@ -753,16 +758,20 @@ def _table_prep_fresh(blocks: int) -> dict[str, float]:
 def _transfer_columns(f: Figures) -> dict[str, Any]:
     """``transfer`` and ``paths`` (pulls per path); for packed and auto, ``descriptors`` is
     what akv posted per request (packed reads use unprepared lists, no merging), and
-    ``pack_ms`` / ``unpack_ms`` the gather (prefill) and scatter (decode) per request."""
+    ``pack_ms`` the gather (prefill side, per request); the three stages of a packed pull,
+    per packed pull: ``lookup_ms`` (the directory lookup), ``read_ms`` (the reads and the
+    exposure check), ``unpack_ms`` (the scatter)."""
     if f.transfer == "direct":
         return {"transfer": "direct", "paths": dict(f.paths)}
-    pulls = max(sum(f.paths.values()), 1)
+    packed = max(f.paths.get("packed", 0), 1)
     return {
         "transfer": f.transfer,
         "paths": dict(f.paths),
         "descriptors": round(f.descriptors_submitted, 1),
         "pack_ms": round(f.pack_ms, 3),
-        "unpack_ms": round(1e3 * f.unpack_s / pulls, 3),
+        "lookup_ms": round(1e3 * f.lookup_s / packed, 3),
+        "read_ms": round(1e3 * f.read_s / packed, 3),
+        "unpack_ms": round(1e3 * f.unpack_s / packed, 3),
     }
 
 
@@ -1125,7 +1134,8 @@ def _print_table(summary: dict[str, Any]) -> None:
         if w.get("transfer", "direct") != "direct":
             print(
                 f"{w['name']} ({w['transfer']}): paths {w['paths']}, {w['descriptors']} descriptors/request, "
-                f"pack {w['pack_ms']} ms, unpack {w['unpack_ms']} ms per request"
+                f"pack {w['pack_ms']} ms per request; per packed pull: lookup {w['lookup_ms']} ms, "
+                f"read {w['read_ms']} ms, unpack {w['unpack_ms']} ms"
             )
 
 

@@ -41,7 +41,7 @@ from akv.runtime.packer import check_transfer
 from akv.runtime.paths import Failed, Pending
 from akv.runtime.paths.packed import AUTO_DESCRIPTORS, StagingPool
 from akv.runtime.paths.push import PushOp
-from akv.runtime.paths.read import CheckPool
+from akv.runtime.paths.read import CheckPool, flush_after_notice
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
 from akv.tls import TLSConfig
@@ -234,6 +234,8 @@ class Consumer(RankBase):
         self._reaper: Reaper | None = None
         self._flush_until = 0.0
         self._reap_until = 0.0
+        # prefill ranks sent notices since the poller last flushed behind them
+        self._unflushed: dict[tuple[int, int], tuple[TransferSession, int]] = {}
         self._settling: dict[Transfer, AkvError] = {}  # failed pulls whose reads may still land
         self.agent_epoch = 0  # bumped each time the agent is replaced (see settle_timeout)
         self._resetting: anyio.Event | None = None  # set while the agent is being replaced
@@ -415,6 +417,8 @@ class Consumer(RankBase):
         if isinstance(transfer.op, PushOp):
             self._grants[transfer.op.grant] = transfer
         self._check(transfer, time.monotonic())
+        if self._unflushed:  # it finished at once: flush before the caller's next pull
+            self._flush_noticed()
         if not transfer.done():
             self._backoff.wake()
 
@@ -427,6 +431,21 @@ class Consumer(RankBase):
         """Standalone notices leave only while the agent progresses: keep the poller at it briefly."""
         self._flush_until = time.monotonic() + FLUSH_S
         self._backoff.wake()
+
+    def noticed(self, session: TransferSession, ranks: Collection[int]) -> None:
+        """Notices went to these prefill ranks over NIXL: the poller flushes behind them at the
+        end of its round, one background READ per rank however many notices it got (see
+        `akv.runtime.paths.read.flush_after_notice`)."""
+        for rank in ranks:
+            self._unflushed[(id(session), rank)] = (session, rank)
+        self._backoff.wake()
+
+    def _flush_noticed(self) -> None:
+        unflushed, self._unflushed = self._unflushed, {}
+        for session, rank in unflushed.values():
+            link = session.links.get(rank)
+            if link is not None and link.check is not None and not session.closed:
+                flush_after_notice(self.backend, self.reaper, self.checks, link.check)
 
     def fail(self, transfer: Transfer, error: AkvError) -> None:
         """Fail a pull: stop its transfer and settle it with ``error`` once nothing it started
@@ -617,6 +636,8 @@ class Consumer(RankBase):
         if state.finished:
             return False
         outcome = transfer.op.poll()
+        if (outcome is None or isinstance(outcome, Failed)) and transfer.op.path in ("read", "packed"):
+            self.noticed(transfer.session, transfer.op.ranks)  # the reads may have carried the notice
         if outcome is None:
             self._complete(transfer)
             return True
@@ -657,6 +678,8 @@ class Consumer(RankBase):
                     progressed |= self._check(transfer, now)
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.fail(transfer, exc)
+            if self._unflushed:
+                self._flush_noticed()
             if self._stopping:
                 self._settle_pushes(now)
             reaper = self.reaper

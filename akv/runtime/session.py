@@ -960,6 +960,7 @@ class TransferSession:
                     here.deliver(self.consumer.backend.name, notice)
                 else:
                     self.consumer.backend.notify(link.agent, notice)
+                    self.consumer.noticed(self, [rank])
                     sent_nixl = True
                 self.consumer.metrics.inc("notifications_sent")
             except (AkvError, KeyError) as exc:

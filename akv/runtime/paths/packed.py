@@ -230,7 +230,10 @@ class PackedRead:
         self.read: NixlRead | None = None
         self.fallback: NixlRead | None = None
         self._descriptors = 0  # posted to read the packed copies
-        self.scatter_s = 0.0
+        #: seconds of each stage, for benchmarks: the directory lookup, the reads with their
+        #: exposure check, the scatter
+        self.lookup_s = self.read_s = self.scatter_s = 0.0
+        self._since = 0.0  # when the current stage began
         self._ranks = frozenset(op.remote_rank for op, _, _ in prepared.posts)
         self._lookups: dict[XferHandle, int] = {}
         self._dir_slots: dict[int, int] = {}
@@ -261,6 +264,7 @@ class PackedRead:
         start fails is no longer counted in ``staging.active``)."""
         self.staging.active += 1
         self._active = True
+        self._since = time.perf_counter()
         try:
             failed = self._start()
         except BaseException:
@@ -327,6 +331,8 @@ class PackedRead:
 
     def _post_reads(self) -> Failed | None:
         """Plan the runs from the directory entries, stage, post the reads (or fall back)."""
+        now = time.perf_counter()
+        self.lookup_s, self._since = now - self._since, now
         entries: dict[int, tuple[int, int, int]] = {}
         for rank, slot in self._dir_slots.items():
             entry = find(self.dir_pool.array[slot], self.request_id)
@@ -476,6 +482,7 @@ class PackedRead:
         `WORKER_BYTES` while other packed pulls are in flight: in the staging pool's worker
         thread, so the poller runs on); free the staging range once done."""
         if self._job is None:
+            self.read_s = time.perf_counter() - self._since
             base = self._staged
             if base is None:  # pragma: no cover - the reads were posted into a staging range
                 return Failed(TransferError(f"request {self.request_id!r} has no staging range"))

@@ -4,6 +4,10 @@ A pull reads in two stages: ``reading`` (one READ per prefill rank, of the plan'
 ``checking`` (one small READ per prefill rank read from, of the exposure-table bucket that
 proves the blocks were still exposed when the data reads completed; it carries the "done"
 notice, so the prefill rank cannot release before the check was read).
+
+Once the notice is sent, the consumer's poller posts one more small READ to each rank
+notified, in the background (`flush_after_notice`): the next pull's first READ then does
+not wait for that rank's poller.
 """
 
 from __future__ import annotations
@@ -17,19 +21,21 @@ import numpy.typing as npt
 
 from akv import exposure
 from akv.backends import Backend, DlistHandle, Reaper, XferHandle
-from akv.errors import BackPressureError, ConfigError, PeerLostError, TransferError
+from akv.errors import AkvError, BackPressureError, ConfigError, PeerLostError, TransferError
 from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
 
-__all__ = ["CheckPool", "NixlRead", "Post", "RankCheck", "ReadPost"]
+__all__ = ["CheckPool", "NixlRead", "Post", "RankCheck", "ReadPost", "flush_after_notice"]
 
 
 class CheckPool:
-    """Registered landing slots for exposure-table buckets (one per check read in flight)."""
+    """Registered landing slots for exposure-table buckets (one per check read in flight),
+    and one more, ``scratch``, that nothing reads (`flush_after_notice` lands there)."""
 
     def __init__(self, size: int, words: int = exposure.SLOT_WORDS) -> None:
         if size < 1:
             raise ConfigError(f"max_checks must be >= 1, got {size}")
-        self.array = np.zeros((size, exposure.SLOTS, words), dtype=np.int64)
+        self.array = np.zeros((size + 1, exposure.SLOTS, words), dtype=np.int64)
+        self.scratch = size
         self._free = list(range(size - 1, -1, -1))
         self.dlist: DlistHandle = None
 
@@ -51,6 +57,25 @@ class CheckPool:
     def release(self, slot: int) -> None:
         """Return a slot (only once no read can still land in it)."""
         self._free.append(slot)
+
+
+def flush_after_notice(backend: Backend, reaper: Reaper, pool: CheckPool, check: RankCheck) -> None:
+    """Right after notices to a prefill rank, READ bucket 0 of its exposure table into the
+    pool's scratch slot, in the background (the reaper releases the handle once it is done).
+
+    NIXL ends every transfer with an endpoint flush, and after a notice (an active message on
+    UCX's ``tcp`` lane) that flush waits for the prefill process to acknowledge, that is for
+    the rank's poller to progress its agent next: up to its sleep between polls. Posted right
+    behind the notices, this READ's flush is acknowledged when the rank handles them, so the
+    next pull's first READ finds nothing to wait for (scripts/sparse_pulls.py: a small pull
+    every 0.3 s took 12 ms without, 1 ms with). It must follow the last notice (one posted
+    before a notice does not help the reads after it). A failure to post only costs that wait."""
+    one = np.zeros(1, dtype=np.int32)
+    try:
+        handle = backend.read(pool.dlist, one + pool.scratch, check.dlist, one, b"")
+    except AkvError:
+        return
+    reaper.drop(handle, background=True)
 
 
 @dataclass(frozen=True, slots=True)
