@@ -23,7 +23,7 @@ from akv.geometry.cache import as_cache
 from akv.geometry.layout import rank_layout
 from akv.packing import CacheViews, scatter
 from akv.runtime.paths.packed import WORKER_BYTES
-from akv.testing import fill_request, make_requests, verify_request
+from akv.testing import fill_request, json_lines, make_requests, verify_request
 from tests.conftest import Engine, local_ids, make_spec, prefill_engine, wait_for
 from tests.test_paths import PAIRS
 
@@ -311,7 +311,7 @@ def test_bench_reports_a_packed_pulls_stages() -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (w,) = json.loads(proc.stdout.splitlines()[-1])["workloads"]
+    (w,) = list(json_lines(proc.stdout.splitlines()))[-1]["workloads"]
     assert w["transfer"] == "packed" and w["paths"] == {"packed": 16}  # 8 requests x 2 decode ranks
     assert w["descriptors"] * 20 <= w["nixl_descriptors_submitted"]
     stages = [w["lookup_ms"], w["read_ms"], w["unpack_ms"]]

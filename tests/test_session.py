@@ -45,7 +45,8 @@ async def test_concurrent_pulls_verify_and_release_once() -> None:
         )
         snap = consumers[0].metrics.snapshot()
         assert snap.counters["transfers"] == 20 and snap.transfers.count == 20
-        # every NIXL handle released (the background flushes once the prefill handled the notices)
+        # every NIXL handle released but the background flush reads, and those once they end
+        assert consumers[0].backend.active_transfers == consumers[0].reaper.background
         await wait_for(lambda: not consumers[0].backend.active_transfers)
 
 
@@ -61,7 +62,7 @@ async def test_cancelled_waiter_leaves_no_dangling_transfer() -> None:
         result = await transfer  # still completes
         assert transfer.done() and result.bytes == 32 * spec.block_bytes(0, 1) * spec.num_regions
         assert verify(consumer, list(range(32, 64)), 3, range(32))
-        assert not consumer.inflight
+        assert consumer.backend.active_transfers == consumer.reaper.background and not consumer.inflight
         await wait_for(lambda: [r.reason for r in engine.releases] == ["read"])
         await wait_for(lambda: not consumer.backend.active_transfers)
 
@@ -369,23 +370,29 @@ class Recording(NixlBackend):
         self.ops.append(("notify", agent, message, []))
         super().notify(agent, message)
 
+    def ops_to(self, agent: str) -> list[tuple[str, str, bytes, list[int]]]:
+        return [op for op in self.ops if op[1] == agent]
 
-@pytest.mark.parametrize("kind", ["dense", "mla"])
+
+@pytest.mark.parametrize("kind", ["dense", "mla", "packed"])
 async def test_every_notice_is_followed_by_a_background_flush_read(kind: str) -> None:
-    """Each "done" notice to a prefill rank, carried by the exposure check or sent alone (MLA:
-    to the rank not read from), is followed at once by a small READ of that rank into the
-    check pool's scratch slot (so the next pull's first READ does not wait for the rank to
-    acknowledge the notice); the flush reads end on their own, and later pulls still verify."""
+    """Each "done" notice to a prefill rank, carried by the exposure check (of direct or
+    packed reads) or sent alone (MLA: to the rank not read from), is followed at once by a
+    small READ of that rank into the check pool's scratch slot (so the next pull's first READ
+    does not wait for the rank to acknowledge the notice); the flush reads end on their own,
+    and later pulls still verify."""
     spec = make_spec(kv_heads=4, mla=kind == "mla")
     backend = Recording(f"recording-{kind}-{id(spec)}")
+    transfer = "packed" if kind == "packed" else "direct"
     async with (
-        prefill_engine(spec, 2) as engine,
-        decode_engine(spec, 1, same_process="nixl", backend=backend) as (consumer,),
+        prefill_engine(spec, 2, transfer=transfer) as engine,
+        decode_engine(spec, 1, same_process="nixl", backend=backend, transfer=transfer) as (consumer,),
     ):
         session = await consumer.connect(engine.endpoint)
         for i in range(3):
             engine.fill(f"r{i}", [i], seed=i)
-            await (await session.pull(f"r{i}", [i + 4], [i]))
+            result = await (await session.pull(f"r{i}", [i + 4], [i]))
+            assert result.path == ("packed" if kind == "packed" else "read")
             assert verify(consumer, [i + 4], i, range(1))
         scratch = consumer.checks.scratch
         await wait_for(lambda: sum(op[3] == [scratch] for op in backend.ops) == 6)
@@ -398,6 +405,61 @@ async def test_every_notice_is_followed_by_a_background_flush_read(kind: str) ->
                     assert ops[k + 1][0] == "read" and ops[k + 1][2:] == (b"", [scratch]), ops[k : k + 2]
         assert noticed == ({"read": 3, "notify": 3} if kind == "mla" else {"read": 6})
         await wait_for(lambda: not backend.active_transfers)
+
+
+class Spaced(Recording):
+    """The real backend, recording; the exposure checks (READs carrying a notice) finish one
+    pull at a time, 20 ms apart, so that each pull completes in a poller round of its own."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.checks: dict[object, bytes] = {}
+        self.finishing = b""  # the notice of the pull whose checks may finish now
+        self.at = 0.0
+
+    def read(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, **kw: Any) -> Any:
+        handle = super().read(local, local_idx, remote, remote_idx, notif, **kw)
+        if notif:
+            self.checks[handle] = notif
+        return handle
+
+    def state(self, handle: XferHandle) -> XferState:
+        done = super().state(handle)
+        notice = self.checks.get(handle)
+        if notice is None or done != "DONE":
+            return done
+        if notice != self.finishing:
+            if time.monotonic() - self.at < 0.02:
+                return "PROC"
+            self.finishing, self.at = notice, time.monotonic()
+        return done
+
+
+async def test_concurrent_pulls_share_the_flush_behind_the_last_notice() -> None:
+    """Eight pulls at once, finishing one per poller round: while some have yet to send their
+    notice no flush read is posted (the prefill rank is busy answering them); once the last
+    one's notice went out, each prefill rank gets one flush read, after everything else."""
+    spec = make_spec(kv_heads=4, num_blocks=64)
+    backend = Spaced(f"spaced-{id(spec)}")
+    async with (
+        prefill_engine(spec, 2) as engine,
+        decode_engine(spec, 1, same_process="nixl", backend=backend) as (consumer,),
+    ):
+        session = await consumer.connect(engine.endpoint)
+        for i in range(8):
+            engine.fill(f"r{i}", [i], seed=i)
+        transfers = [await session.pull(f"r{i}", [i + 16], [i]) for i in range(8)]
+        for i, t in enumerate(transfers):
+            await t
+            assert verify(consumer, [i + 16], i, range(1))
+        scratch = consumer.checks.scratch
+        agents = {op[1] for op in backend.ops}
+        assert len(agents) == 2
+        await wait_for(lambda: all(backend.ops_to(a)[-1][3] == [scratch] for a in agents))
+        for agent in agents:
+            ops = backend.ops_to(agent)
+            assert sum(bool(op[2]) for op in ops) == 8  # a notice per pull
+            assert sum(op[3] == [scratch] for op in ops) == 1, ops
 
 
 class FlushesHang(NixlBackend):
@@ -420,11 +482,11 @@ class FlushesHang(NixlBackend):
         return "PROC" if self.hang and handle in self.flushes else done
 
 
-async def test_a_flush_read_that_never_ends_neither_resets_the_agent_nor_holds_pulls(
+async def test_a_flush_read_that_never_ends_does_not_replace_the_agent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Flush reads still running long past ``settle_timeout`` are background work: the rank
-    does not replace its agent for them (as it would for a failed pull's reads), pulls keep
+    does not replace its agent for them (as it does for a failed pull's reads), pulls keep
     completing on it without a new handshake, and the handles are released once they end."""
     spec = make_spec(kv_heads=4)
     async with prefill_engine(spec, 1) as engine:
@@ -439,7 +501,7 @@ async def test_a_flush_read_that_never_ends_neither_resets_the_agent_nor_holds_p
                 await (await session.pull(f"r{i}", [i + 4], [i]))
                 assert verify(consumer, [i + 4], i, range(1))
                 await anyio.sleep(0.3)  # past settle_timeout, with the flush reads still "running"
-            assert len(backend.flushes) == 3 and backend.active_transfers >= 3
+            assert len(backend.flushes) == 3 and backend.active_transfers == consumer.reaper.background == 3
             assert consumer.backend is backend and consumer.metrics.counters["agent_resets"] == 0
             assert consumer.metrics.counters["handshakes"] == 1
             backend.hang = False

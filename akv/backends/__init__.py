@@ -132,15 +132,13 @@ class Reaper:
     an op settled (`holds`), and how long the oldest one waits (`oldest`); once the backend is
     closed (its agent destroyed, so nothing it started can land), everything held is settled.
     ``background`` handles (reads no pull waits for, landing where nothing reads) are only
-    released: they count in neither `holds` nor `oldest`.
+    released, by `retry` too: they count in neither ``len``, `holds` nor `oldest`.
     """
-
-    #: the owner of background handles
-    BACKGROUND: object = object()
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self._held: dict[XferHandle, tuple[Callable[[], None] | None, object, float]] = {}
+        self._background: set[XferHandle] = set()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -163,9 +161,12 @@ class Reaper:
         background: bool = False,
     ) -> None:
         """Release ``handle`` now if NIXL says it is finished (``done``: the caller just saw it
-        DONE), else hold it (see `retry`; ``background``: see the class)."""
+        DONE), else hold it (see `retry`; ``background``: see the class, ``then`` and
+        ``owner`` are ignored)."""
         if background:
-            owner = self.BACKGROUND
+            if not self.backend.closed and not (self._dead(handle) and self.backend.release(handle)):
+                self._background.add(handle)
+            return
         if self.backend.closed or ((done or self._dead(handle)) and self.backend.release(handle)):
             if then is not None:
                 then()
@@ -182,6 +183,14 @@ class Reaper:
                 del self._held[handle]
                 if then is not None:
                     then()
+        for handle in list(self._background):
+            if self._dead(handle) and self.backend.release(handle):
+                self._background.discard(handle)
+
+    @property
+    def background(self) -> int:
+        """Background handles held."""
+        return len(self._background)
 
     def holds(self, owner: object) -> bool:
         """True while a handle of ``owner`` may still land."""
@@ -189,12 +198,13 @@ class Reaper:
 
     def oldest(self) -> float | None:
         """``time.monotonic()`` when the oldest handle held was dropped, None if none is."""
-        return min((held[2] for held in self._held.values() if held[1] is not self.BACKGROUND), default=None)
+        return min((held[2] for held in self._held.values()), default=None)
 
     def abandon(self) -> None:
         """The backend was closed (its agent destroyed: nothing it started can land): settle
         everything held."""
         held, self._held = self._held, {}
+        self._background.clear()
         for then, _owner, _since in held.values():
             if then is not None:
                 then()

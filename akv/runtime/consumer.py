@@ -441,10 +441,16 @@ class Consumer(RankBase):
         self._backoff.wake()
 
     def _flush_noticed(self) -> None:
+        """One background READ behind the notices to each rank noticed, unless a pull of its
+        session has yet to send its notice (the prefill rank's poller is busy until then, so
+        it acknowledges at once; that pull is noticed in turn); a rank not linked any more,
+        or failing, gets none."""
         unflushed, self._unflushed = self._unflushed, {}
         for session, rank in unflushed.values():
+            if session.closed or any(not t.notified for t in session.transfers):
+                continue
             link = session.links.get(rank)
-            if link is not None and link.check is not None and not session.closed:
+            if link is not None and link.check is not None and not link.broken:
                 flush_after_notice(self.backend, self.reaper, self.checks, link.check)
 
     def fail(self, transfer: Transfer, error: AkvError) -> None:
@@ -636,8 +642,10 @@ class Consumer(RankBase):
         if state.finished:
             return False
         outcome = transfer.op.poll()
-        if (outcome is None or isinstance(outcome, Failed)) and transfer.op.path in ("read", "packed"):
-            self.noticed(transfer.session, transfer.op.ranks)  # the reads may have carried the notice
+        notified = transfer.op.take_notified()
+        if notified:
+            transfer.notified = True
+            self.noticed(transfer.session, notified)
         if outcome is None:
             self._complete(transfer)
             return True
@@ -683,7 +691,7 @@ class Consumer(RankBase):
             if self._stopping:
                 self._settle_pushes(now)
             reaper = self.reaper
-            if len(reaper):
+            if len(reaper) or reaper.background:
                 reaper.retry()
             if self._settling:
                 self._finish_settled()
@@ -714,5 +722,6 @@ class Consumer(RankBase):
                 # push: the writers' notices are the completion; look for them often
                 await backoff.wait(busy=True, limit=PUSH_POLL_S if pushing and self._grants else None)
             else:
-                limit = 0.01 if len(reaper) else REAP_EVERY_S if reaping else math.inf
+                # background reads: released within REAP_EVERY_S of their end
+                limit = 0.01 if len(reaper) else REAP_EVERY_S if reaping or reaper.background else math.inf
                 await backoff.wait(busy=False, limit=limit)

@@ -161,6 +161,7 @@ class Transfer:
         self.op = op  # the transfer on its path
         self.notify = notify  # prefill ranks notified once it is done (a read's carry their notice)
         self.generation = 0  # the exposure generation the pull is bound to (0: none)
+        self.notified = False  # its reads' "done" notice went out (it may still scatter)
         self._event: anyio.Event | None = None  # created only if someone waits unfinished
         self._result: TransferResult | None = None
         self._error: AkvError | None = None

@@ -103,6 +103,10 @@ class PathOp(Protocol):
     def poll(self) -> Outcome:
         """Make progress: None when done and verified, `Pending`, or `Failed`. Never raises."""
 
+    def take_notified(self) -> frozenset[int]:
+        """The prefill ranks the op's NIXL transfers sent the "done" notice to since the last
+        call (the consumer flushes behind them: `akv.runtime.paths.read.flush_after_notice`)."""
+
     def abort(self) -> None:
         """Stop: release what the op holds. When it returns, nothing the op started can write
         into the pull's blocks, or what may still land is held by the backend's reaper, owned

@@ -368,6 +368,10 @@ class LocalCopy:
         """Empty: ranks of this process are not lost mid-copy."""
         return frozenset()
 
+    def take_notified(self) -> frozenset[int]:
+        """Empty: no NIXL transfer carries a notice (ranks of this process are told directly)."""
+        return frozenset()
+
     def poll(self) -> Outcome:
         """None once the copies are done and the blocks were still exposed."""
         if self.job is not None:

@@ -243,12 +243,18 @@ class PackedRead:
         self._aborted = False
         self._job: concurrent.futures.Future[float] | None = None  # a scatter in the worker
         self._active = False  # counted in staging.active
+        self._verified = False  # the reads are in and checked: scatter on the next poll
 
     @property
     def descriptors(self) -> int:
         """Descriptors the pull posted: the packed copies' runs, or the direct read's after a
         fallback."""
         return self.prepared.descriptors if self.fallback is not None else self._descriptors
+
+    def take_notified(self) -> frozenset[int]:
+        """Those of its reads (the direct read's after a fallback)."""
+        read = self.fallback if self.fallback is not None else self.read
+        return read.take_notified() if read is not None else frozenset()
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -327,6 +333,10 @@ class PackedRead:
         outcome = self.read.poll()
         if outcome is not None:
             return outcome
+        if not self._verified:  # the consumer flushes behind the notice before the scatter
+            self._verified = True
+            self.read_s = time.perf_counter() - self._since
+            return Pending(True)
         return self._scatter()
 
     def _post_reads(self) -> Failed | None:
@@ -482,7 +492,6 @@ class PackedRead:
         `WORKER_BYTES` while other packed pulls are in flight: in the staging pool's worker
         thread, so the poller runs on); free the staging range once done."""
         if self._job is None:
-            self.read_s = time.perf_counter() - self._since
             base = self._staged
             if base is None:  # pragma: no cover - the reads were posted into a staging range
                 return Failed(TransferError(f"request {self.request_id!r} has no staging range"))

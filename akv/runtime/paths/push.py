@@ -76,6 +76,10 @@ class PushOp:
         """The writers that have not pushed yet: losing one fails the pull."""
         return frozenset(r for r in self.writers if r not in self.pushed)
 
+    def take_notified(self) -> frozenset[int]:
+        """Empty: a pushed pull reads nothing from its writers, so no READ waits behind its notices."""
+        return frozenset()
+
     def _send(self, rank: int, notice: PushNotice) -> AkvError | None:
         try:
             self.backend.notify(self.writers[rank], encode_push(notice))

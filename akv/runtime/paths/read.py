@@ -29,7 +29,8 @@ __all__ = ["CheckPool", "NixlRead", "Post", "RankCheck", "ReadPost", "flush_afte
 
 class CheckPool:
     """Registered landing slots for exposure-table buckets (one per check read in flight),
-    and one more, ``scratch``, that nothing reads (`flush_after_notice` lands there)."""
+    and one more, ``scratch``, never handed out and never read (the consumer's check pool:
+    `flush_after_notice` lands there)."""
 
     def __init__(self, size: int, words: int = exposure.SLOT_WORDS) -> None:
         if size < 1:
@@ -48,7 +49,7 @@ class CheckPool:
         """A free slot; [`BackPressureError`][akv.errors.BackPressureError] if every one is in use."""
         if not self._free:
             raise BackPressureError(
-                f"{len(self.array)} exposure checks already in flight: pull again later, or raise max_checks"
+                f"{self.scratch} exposure checks already in flight: pull again later, or raise max_checks"
             )
         slot = self._free.pop()
         self.array[slot, :, 0] = 0
@@ -153,12 +154,27 @@ class NixlRead:
         self._aborted = False
         self._pending: dict[XferHandle, int] = {}
         self._slots: dict[int, int] = {}  # prefill rank -> check slot
+        self._notified: frozenset[int] = frozenset()  # see take_notified
+        self._told = False  # the notice went out (its reads are done)
 
     @property
     def ranks(self) -> frozenset[int]:
         """The prefill ranks read from: until the exposure check is verified, losing any of
         them (or re-linking it) fails the pull."""
         return self._ranks
+
+    def take_notified(self) -> frozenset[int]:
+        """The prefill ranks the "done" notice went to since the last call: those of the
+        check reads (or, without checks, of the data reads) once they are done."""
+        ranks, self._notified = self._notified, frozenset()
+        return ranks
+
+    def _sent(self, ranks: frozenset[int]) -> None:
+        """The reads carrying the notice to ``ranks`` are done (once: the op may be polled
+        again after that)."""
+        if not self._told:
+            self._told = True
+            self._notified = ranks
 
     def start(self) -> Failed | None:
         """Post the data reads; on failure nothing stays posted."""
@@ -190,12 +206,14 @@ class NixlRead:
         if not self.checking:
             self._settle()
         if self.checks is None:
+            self._sent(self._ranks)
             self._forget()
             return None
         if not self.checking:
             self.checking = True
             failed = self._post_checks()
             return failed if failed is not None else self.poll()
+        self._sent(frozenset(self._slots))
         error = self._verify()
         if error is not None:
             return Failed(error)
