@@ -131,8 +131,9 @@ class Reaper:
     Handles are held per ``owner`` (the op that posted them), so the runtime can tell whether
     an op settled (`holds`), and how long the oldest one waits (`oldest`); once the backend is
     closed (its agent destroyed, so nothing it started can land), everything held is settled.
-    ``background`` handles (reads no pull waits for, landing where nothing reads) are only
-    released, by `retry` too: they count in neither ``len``, `holds` nor `oldest`.
+    Background handles (`drop_background`: reads no pull waits for, landing where nothing
+    reads) are only released, by `retry` too: they count in neither ``len``, `holds` nor
+    `oldest`.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -158,15 +159,9 @@ class Reaper:
         owner: object = None,
         *,
         done: bool = False,
-        background: bool = False,
     ) -> None:
         """Release ``handle`` now if NIXL says it is finished (``done``: the caller just saw it
-        DONE), else hold it (see `retry`; ``background``: see the class, ``then`` and
-        ``owner`` are ignored)."""
-        if background:
-            if not self.backend.closed and not (self._dead(handle) and self.backend.release(handle)):
-                self._background.add(handle)
-            return
+        DONE), else hold it (see `retry`)."""
         if self.backend.closed or ((done or self._dead(handle)) and self.backend.release(handle)):
             if then is not None:
                 then()
@@ -186,6 +181,12 @@ class Reaper:
         for handle in list(self._background):
             if self._dead(handle) and self.backend.release(handle):
                 self._background.discard(handle)
+
+    def drop_background(self, handle: XferHandle) -> None:
+        """Release ``handle`` now if NIXL says it is finished, else hold it in the background
+        (see the class)."""
+        if not self.backend.closed and not (self._dead(handle) and self.backend.release(handle)):
+            self._background.add(handle)
 
     @property
     def background(self) -> int:

@@ -235,7 +235,7 @@ class Consumer(RankBase):
         self._flush_until = 0.0
         self._reap_until = 0.0
         # prefill ranks sent notices since the poller last flushed behind them
-        self._unflushed: dict[tuple[int, int], tuple[TransferSession, int]] = {}
+        self._unflushed: set[tuple[TransferSession, int]] = set()
         self._settling: dict[Transfer, AkvError] = {}  # failed pulls whose reads may still land
         self.agent_epoch = 0  # bumped each time the agent is replaced (see settle_timeout)
         self._resetting: anyio.Event | None = None  # set while the agent is being replaced
@@ -436,8 +436,7 @@ class Consumer(RankBase):
         """Notices went to these prefill ranks over NIXL: the poller flushes behind them at the
         end of its round, one background READ per rank however many notices it got (see
         `akv.runtime.paths.read.flush_after_notice`)."""
-        for rank in ranks:
-            self._unflushed[(id(session), rank)] = (session, rank)
+        self._unflushed.update((session, rank) for rank in ranks)
         self._backoff.wake()
 
     def _flush_noticed(self) -> None:
@@ -445,8 +444,8 @@ class Consumer(RankBase):
         session has yet to send its notice (the prefill rank's poller is busy until then, so
         it acknowledges at once; that pull is noticed in turn); a rank not linked any more,
         or failing, gets none."""
-        unflushed, self._unflushed = self._unflushed, {}
-        for session, rank in unflushed.values():
+        unflushed, self._unflushed = self._unflushed, set()
+        for session, rank in unflushed:
             if session.closed or any(not t.notified for t in session.transfers):
                 continue
             link = session.links.get(rank)

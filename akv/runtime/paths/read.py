@@ -76,7 +76,7 @@ def flush_after_notice(backend: Backend, reaper: Reaper, pool: CheckPool, check:
         handle = backend.read(pool.dlist, one + pool.scratch, check.dlist, one, b"")
     except AkvError:
         return
-    reaper.drop(handle, background=True)
+    reaper.drop_background(handle)
 
 
 @dataclass(frozen=True, slots=True)
