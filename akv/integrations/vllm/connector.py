@@ -242,9 +242,16 @@ class AkvConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = self._kv_cache_manager
+
+    def on_new_request(self, request: Any) -> None:
+        self._sched().on_new_request(request)
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        meta = self._sched().build_meta()
-        return AkvConnectorMetadata(expose=meta.expose, pull=meta.pull)
+        m = self._sched().build_meta(scheduler_output)
+        return AkvConnectorMetadata(expose=m.expose, expose_late=m.expose_late, withdraw=m.withdraw, pull=m.pull)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
@@ -279,7 +286,9 @@ class AkvConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # prefill's blocks are read in place once exposed
 
     def wait_for_save(self) -> None:
-        return None
+        meta = self._connector_metadata
+        if isinstance(meta, ConnectorMeta) and meta.expose:
+            self._work().after_forward(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, received, failed = self._work().out.take()

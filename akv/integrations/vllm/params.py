@@ -107,7 +107,19 @@ class PullJob:
 
 @dataclass
 class ConnectorMeta:
-    """One step's orders from the scheduler to every worker (keyed by vLLM request id)."""
+    """One step's orders from the scheduler to every worker (keyed by vLLM request id).
+
+    Attributes:
+        expose: requests whose prompt this step's forward pass completes: exposed once it ran
+            (before the step's output, so before the response naming them leaves).
+        expose_late: requests that finished earlier without being exposed in their last step
+            (more than one output token): exposed when the step starts.
+        withdraw: exposed requests that did not finish normally (aborted): their lease ends
+            now, so they are released as expired and vLLM frees their blocks.
+        pull: pulls to start.
+    """
 
     expose: dict[str, ExposeJob] = field(default_factory=dict)
+    expose_late: dict[str, ExposeJob] = field(default_factory=dict)
+    withdraw: set[str] = field(default_factory=set)
     pull: dict[str, PullJob] = field(default_factory=dict)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,7 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from akv.errors import AkvError, NotExposedError
+from akv.errors import AkvError, NotExposedError, UnknownRequestError
 from akv.integrations.vllm.layout import LayerGroup, describe
 from akv.integrations.vllm.params import ConnectorMeta, ExposeJob, PullJob
 
@@ -86,6 +86,7 @@ class WorkerHalf:
         self.producer: Any = None
         self.consumer: Any = None
         self._names = [g.name for g in groups]
+        self._device = torch.device("cpu")
 
     # set-up ----------------------------------------------------------------------------
 
@@ -94,6 +95,7 @@ class WorkerHalf:
         import akv
 
         spec, regions = describe(kv_caches, self.groups, content=self.ident.content)
+        self._device = regions[0].device
         o = self.ident.options
         self._portal_cm = start_blocking_portal("asyncio")
         self._portal = self._portal_cm.__enter__()
@@ -158,15 +160,29 @@ class WorkerHalf:
         return {n: list(g) for n, g in zip(self._names, groups, strict=True)}
 
     def step(self, meta: ConnectorMeta) -> None:
-        """Start what the scheduler ordered this step: expose finished requests, launch pulls."""
+        """At the start of a step: expose late requests, end withdrawn leases, launch pulls."""
         if self._portal is None:
             return
-        if meta.expose and self.producer is not None:
-            self._portal.call(self._expose_all, meta.expose)
+        if self.producer is not None and (meta.expose_late or meta.withdraw):
+            self._portal.call(self._expose_all, meta.expose_late, meta.withdraw)
         for rid, job in meta.pull.items():
             self._portal.start_task_soon(self._pull, rid, job)
 
-    def _expose_all(self, jobs: Mapping[str, ExposeJob]) -> None:
+    def after_forward(self, meta: ConnectorMeta) -> None:
+        """After the step's forward pass: expose the requests whose prompt it completed."""
+        if self._portal is None or self.producer is None:
+            return
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()  # the KV is written before it is read
+        self._portal.call(self._expose_all, meta.expose, ())
+
+    def _expose_all(self, jobs: Mapping[str, ExposeJob], withdraw: Iterable[str]) -> None:
+        for rid in withdraw:
+            try:
+                self.producer.extend(rid, 0.0)  # released as expired on the poller's next pass
+            except UnknownRequestError:  # never exposed here (it failed): nothing holds the blocks
+                with self.out.lock:
+                    self.out.sent.add(rid)
         for rid, job in jobs.items():
             try:
                 self.producer.expose(rid, self._ids(job.block_ids), generation=job.generation)
