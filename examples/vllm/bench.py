@@ -1,12 +1,13 @@
 """akv's AkvConnector against vLLM's NixlConnector, in one run, on the same model and prompts.
 
-    python examples/vllm/bench.py [--reps 5] [--lengths 256,1024,2048] [--concurrency 4] [--json out.json]
+    python examples/vllm/bench.py [--reps 6] [--rounds 2] [--lengths 256,1024,2048] [--concurrency 4] [--json out.json]
 
-Starts a prefill and a decode instance per connector (prefill pinned to core 0, decode to
-core 1): ``akv`` and ``nixl-tuned`` (NixlConnector with NIXL's progress thread off and its
-pinning left out) run side by side, their requests interleaved; ``nixl`` (NixlConnector as
-shipped, whose progress thread spins) runs after them, alone, so its spinning does not slow
-the others. Every request has a fresh random prompt (the prefix cache hides nothing) and is
+Per connector, a prefill and a decode instance (prefill pinned to core 0, decode to core 1):
+``akv``, ``nixl-tuned`` (NixlConnector with NIXL's progress thread off and its pinning left
+out) and ``nixl`` (NixlConnector as shipped, whose progress thread spins). One pair runs at a
+time (two pairs on two cores slow each other), in rounds: each round starts every
+connector's pair in turn and sends it the round's share of the requests, the same prompts
+for every connector, so drift over the run touches all of them alike. Every request has a fresh random prompt (the prefix cache hides nothing) and is
 also computed colocated on the prefill instance (a salted prefix cache) to check the
 tokens. Per connector and prompt length it prints the median of:
 
@@ -17,8 +18,8 @@ tokens. Per connector and prompt length it prints the median of:
 - ``colocated_ttft_ms``: the same prompt computed by one instance alone;
 - ``equal``: requests whose tokens equal the colocated ones;
 
-then, with ``--concurrency N``, N requests of the middle length at once, and the idle CPU of
-each instance (percent of one core over ``--idle-s`` seconds). Figures go to stdout, one JSON
+then, with ``--concurrency N``, N requests of the middle length at once (each round), and the
+idle CPU of each instance (percent of one core over ``--idle-s`` seconds, after start-up). Figures go to stdout, one JSON
 document to ``--json``.
 """
 
@@ -141,101 +142,81 @@ def med(xs: list[float]) -> float:
     return round(statistics.median(xs), 2) if xs else float("nan")
 
 
-async def measure(pairs: list[Pair], model: str, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+async def measure(pair: Pair, model: str, args: argparse.Namespace, prompts: dict[str, list[list[int]]],
+                  rows: dict[str, dict[str, list[float]]]) -> None:
+    """Send ``prompts`` (per length, and ``"concurrent"``) through one pair; append to ``rows``."""
     async with httpx.AsyncClient(timeout=600) as client:
-        # warm-up: one request per pair (first handshakes, first forward passes)
-        for pair in pairs:
-            await one(client, pair, model, [rng.randrange(1, 250) for _ in range(64)], 2)
+        await one(client, pair, model, prompts["warmup"][0], 2)  # first handshake, first forward passes
         for n in args.lengths:
-            rows: dict[str, dict[str, list[float]]] = {p.connector: {} for p in pairs}
-            for _ in range(args.reps):
-                for pair in pairs:  # interleaved: the same conditions for every connector
-                    tokens = [rng.randrange(1, 250) for _ in range(n)]
-                    want, co_ttft = await colocated(client, pair.prefill, model, tokens, args.max_tokens)
-                    before = await histogram(client, pair.decode, XFER_METRIC[pair.connector])
-                    got = await one(client, pair, model, tokens, args.max_tokens)
-                    await asyncio.sleep(1.2)  # vLLM publishes connector stats on an interval
-                    after = await histogram(client, pair.decode, XFER_METRIC[pair.connector])
-                    row = rows[pair.connector]
-                    for k in ("ttft_ms", "decode_ttft_ms", "tok_s"):
-                        row.setdefault(k, []).append(got[k])
-                    row.setdefault("colocated_ttft_ms", []).append(co_ttft)
-                    if after[1] > before[1]:
-                        row.setdefault("transfer_ms", []).append((after[0] - before[0]) / (after[1] - before[1]) * 1e3)
-                    row.setdefault("equal", []).append(float(got["tokens"] == want))
-            for conn, row in rows.items():
-                summary = {k: med(v) for k, v in row.items() if k != "equal"}
-                summary["equal"] = f"{int(sum(row['equal']))}/{len(row['equal'])}"
-                results.setdefault(conn, {})[str(n)] = summary
-                print(f"{conn:>10} {n:>5} tokens: " + "  ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
-        if args.concurrency > 1:
-            n = args.lengths[len(args.lengths) // 2]
-            for pair in pairs:
-                prompts = [[rng.randrange(1, 250) for _ in range(n)] for _ in range(args.concurrency)]
-                t0 = time.perf_counter()
-                got = await asyncio.gather(*(one(client, pair, model, t, args.max_tokens) for t in prompts))
-                wall = time.perf_counter() - t0
-                want = [await colocated(client, pair.prefill, model, t, args.max_tokens) for t in prompts]
-                summary = {
-                    "ttft_ms": med([g["ttft_ms"] for g in got]),
-                    "decode_ttft_ms": med([g["decode_ttft_ms"] for g in got]),
-                    "wall_s": round(wall, 3),
-                    "equal": f"{sum(g['tokens'] == w[0] for g, w in zip(got, want))}/{len(got)}",
-                }
-                results.setdefault(pair.connector, {})[f"{args.concurrency}x{n}"] = summary
-                print(f"{pair.connector:>10} {args.concurrency}x{n} concurrent: "
-                      + "  ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
-    return results
+            row = rows.setdefault(str(n), {})
+            for tokens in prompts[str(n)]:
+                want, co_ttft = await colocated(client, pair.prefill, model, tokens, args.max_tokens)
+                before = await histogram(client, pair.decode, XFER_METRIC[pair.connector])
+                got = await one(client, pair, model, tokens, args.max_tokens)
+                await asyncio.sleep(1.2)  # vLLM publishes connector stats on an interval
+                after = await histogram(client, pair.decode, XFER_METRIC[pair.connector])
+                for k in ("ttft_ms", "decode_ttft_ms", "tok_s"):
+                    row.setdefault(k, []).append(got[k])
+                row.setdefault("colocated_ttft_ms", []).append(co_ttft)
+                if after[1] > before[1]:
+                    row.setdefault("transfer_ms", []).append((after[0] - before[0]) / (after[1] - before[1]) * 1e3)
+                row.setdefault("equal", []).append(float(got["tokens"] == want))
+        if prompts.get("concurrent"):
+            row = rows.setdefault("concurrent", {})
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(one(client, pair, model, t, args.max_tokens) for t in prompts["concurrent"]))
+            row.setdefault("wall_s", []).append(time.perf_counter() - t0)
+            for g, t in zip(got, prompts["concurrent"], strict=True):
+                want, _ = await colocated(client, pair.prefill, model, t, args.max_tokens)
+                row.setdefault("ttft_ms", []).append(g["ttft_ms"])
+                row.setdefault("decode_ttft_ms", []).append(g["decode_ttft_ms"])
+                row.setdefault("equal", []).append(float(g["tokens"] == want))
 
 
-def idle_cpu(pairs: list[Pair], seconds: float) -> dict[str, dict[str, float]]:
-    """Percent of one core each instance (its whole process tree) uses while idle."""
-    time.sleep(2.0)
-    insts = [(p.connector, role, inst) for p in pairs for role, inst in (("prefill", p.prefill), ("decode", p.decode))]
-    before = {id(i): cpu_seconds(i.proc.pid) for _, _, i in insts}
-    time.sleep(seconds)
-    out: dict[str, dict[str, float]] = {}
-    for conn, role, inst in insts:
-        out.setdefault(conn, {})[role] = round((cpu_seconds(inst.proc.pid) - before[id(inst)]) / seconds * 100, 1)
-    for conn, roles in out.items():
-        print(f"{conn:>10} idle CPU: prefill {roles['prefill']} %, decode {roles['decode']} % of a core", flush=True)
+def summarize(rows: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for key, row in rows.items():
+        summary: dict[str, Any] = {k: med(v) for k, v in row.items() if k != "equal"}
+        summary["equal"] = f"{int(sum(row['equal']))}/{len(row['equal'])}"
+        out[key] = summary
     return out
 
 
-def start_pairs(connectors: list[str], model: str, logs: Path, args: argparse.Namespace) -> list[Pair]:
-    pairs = []
-    for conn in connectors:
-        kw: dict[str, Any] = dict(model=model, kv_space_gib=1, vllm_args=args.vllm_args)
-        p = start(logs / f"{conn}-prefill.log", connector=conn, role="prefill", http_port=free_port(), core=0,
-                  akv_port=free_port(), nixl_port=free_port(), **kw)
-        d = start(logs / f"{conn}-decode.log", connector=conn, role="decode", http_port=free_port(), core=1,
-                  akv_port=free_port(), nixl_port=free_port(), **kw)
-        pairs.append(Pair(conn, p, d))
+def idle_cpu(pair: Pair, seconds: float) -> dict[str, float]:
+    """Percent of one core each instance of ``pair`` (its whole process tree) uses while idle."""
+    time.sleep(2.0)
+    insts = {"prefill": pair.prefill, "decode": pair.decode}
+    before = {role: cpu_seconds(i.proc.pid) for role, i in insts.items()}
+    time.sleep(seconds)
+    return {role: round((cpu_seconds(i.proc.pid) - before[role]) / seconds * 100, 1) for role, i in insts.items()}
+
+
+def start_pair(conn: str, model: str, logs: Path, args: argparse.Namespace) -> Pair:
+    kw: dict[str, Any] = dict(model=model, kv_space_gib=1, vllm_args=args.vllm_args)
+    p = start(logs / f"{conn}-prefill.log", connector=conn, role="prefill", http_port=free_port(), core=0,
+              akv_port=free_port(), nixl_port=free_port(), **kw)
+    d = start(logs / f"{conn}-decode.log", connector=conn, role="decode", http_port=free_port(), core=1,
+              akv_port=free_port(), nixl_port=free_port(), **kw)
     try:
-        wait_ready([i for pr in pairs for i in (pr.prefill, pr.decode)], timeout=600)
+        wait_ready([p, d], timeout=600)
     except BaseException:
-        stop_pairs(pairs)
+        p.stop()
+        d.stop()
         raise
-    return pairs
-
-
-def stop_pairs(pairs: list[Pair]) -> None:
-    for p in pairs:
-        p.prefill.stop()
-        p.decode.stop()
+    return Pair(conn, p, d)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="AkvConnector against NixlConnector in real vLLM instances")
     ap.add_argument("--model", help="a model directory (default: build the tiny Llama)")
     ap.add_argument("--lengths", default="256,1024,2048", help="prompt lengths, comma-separated")
-    ap.add_argument("--reps", type=int, default=5, help="requests per length and connector")
+    ap.add_argument("--reps", type=int, default=6, help="requests per length and connector")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent requests of the middle length (1: skip)")
     ap.add_argument("--idle-s", type=float, default=10.0)
-    ap.add_argument("--connectors", default="akv,nixl-tuned,nixl",
-                    help="which to run; nixl (as shipped) always runs alone, after the others")
+    ap.add_argument("--connectors", default="akv,nixl-tuned,nixl", help="which to run, in this order each round")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds; each starts every connector's pair in turn, alone, and sends it its share of the requests")
     ap.add_argument("--fast", action="store_true", help="start vLLM with -O0 (no graph compilation)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--seed", type=int, default=0)
@@ -250,12 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         return 64
     connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
     bad = [c for c in connectors if c not in XFER_METRIC]
-    if bad or not connectors or args.reps < 1:
-        print(f"bench: --connectors {args.connectors!r} / --reps {args.reps}: use akv, nixl-tuned, nixl and reps >= 1",
+    if bad or not connectors or args.reps < 1 or not 1 <= args.rounds <= args.reps:
+        print(f"bench: --connectors {args.connectors!r} / --reps {args.reps}: use akv, nixl-tuned, nixl; 1 <= rounds <= reps",
               file=sys.stderr)
         return 64
     args.vllm_args = ["-O0"] if args.fast else []
-    rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="akv-vllm-bench-") as tmp:
         model = args.model or str(Path(tmp) / "model")
         if args.model is None:
@@ -263,15 +243,38 @@ def main(argv: list[str] | None = None) -> int:
         logs = args.logs or Path(tmp) / "logs"
         figures: dict[str, Any] = {"model": "tiny llama (4 layers, hidden 256, 4 KV heads)" if args.model is None else model,
                                    "args": {k: v for k, v in vars(args).items() if k not in ("json", "logs")}}
-        groups = [[c for c in connectors if c != "nixl"], [c for c in connectors if c == "nixl"]]
-        for group in (g for g in groups if g):
-            print(f"starting {', '.join(group)} (prefill on core 0, decode on core 1)", flush=True)
-            pairs = start_pairs(group, model, logs, args)
-            try:
-                figures.setdefault("idle_cpu_pct", {}).update(idle_cpu(pairs, args.idle_s))
-                figures.setdefault("results", {}).update(asyncio.run(measure(pairs, model, args, rng)))
-            finally:
-                stop_pairs(pairs)
+        rng = random.Random(args.seed)
+        per_round = [args.reps // args.rounds + (r < args.reps % args.rounds) for r in range(args.rounds)]
+        rounds = [
+            {
+                "warmup": [[rng.randrange(1, 250) for _ in range(64)]],
+                **{str(n): [[rng.randrange(1, 250) for _ in range(n)] for _ in range(k)] for n in args.lengths},
+                "concurrent": [[rng.randrange(1, 250) for _ in range(args.lengths[len(args.lengths) // 2])]
+                               for _ in range(args.concurrency if args.concurrency > 1 else 0)],
+            }
+            for k in per_round
+        ]
+        rows: dict[str, dict[str, dict[str, list[float]]]] = {c: {} for c in connectors}
+        idle: dict[str, dict[str, list[float]]] = {c: {} for c in connectors}
+        for r, prompts in enumerate(rounds):
+            for conn in connectors:  # one pair at a time, the same prompts, rounds interleaved
+                print(f"round {r + 1}/{args.rounds}: {conn} (prefill on core 0, decode on core 1)", flush=True)
+                pair = start_pair(conn, model, logs / f"round{r}", args)
+                try:
+                    for role, pct in idle_cpu(pair, args.idle_s).items():
+                        idle[conn].setdefault(role, []).append(pct)
+                    asyncio.run(measure(pair, model, args, prompts, rows[conn]))
+                finally:
+                    pair.prefill.stop()
+                    pair.decode.stop()
+        figures["idle_cpu_pct"] = {c: {role: med(v) for role, v in idle[c].items()} for c in connectors}
+        figures["results"] = {c: summarize(rows[c]) for c in connectors}
+        for conn in connectors:
+            i = figures["idle_cpu_pct"][conn]
+            print(f"{conn:>10} idle CPU: prefill {i['prefill']} %, decode {i['decode']} % of a core")
+            for key, summary in figures["results"][conn].items():
+                label = f"{args.concurrency}x{args.lengths[len(args.lengths) // 2]} concurrent" if key == "concurrent" else f"{key} tokens"
+                print(f"{conn:>10} {label}: " + "  ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
     res = figures.get("results", {})
