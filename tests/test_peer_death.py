@@ -26,6 +26,8 @@ from tests.conftest import stop
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 ROUNDS = int(os.environ.get("AKV_CHAOS_ROUNDS", "10"))
+#: a fresh prefill process per round (~15 s each): fewer by default, AKV_CHAOS_PREFILL_ROUNDS for more
+PREFILL_ROUNDS = int(os.environ.get("AKV_CHAOS_PREFILL_ROUNDS", "3"))
 PER_REQUEST = 128  # 256 KiB blocks: 32 MiB requests
 GEOMETRY = ["--layers", "4", "--kv-heads", "8", "--block-size", "16", "--head-dim", "128", "--dtype", "bfloat16"]
 TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -174,9 +176,9 @@ async def test_prefill_dying_mid_transfer_leaves_decode_serving(transport_env: s
     of a pull: the pull fails typed within its timeout plus 5 s, this decode keeps running and
     pulls bit-exact from another prefill engine, and a stopped prefill still serves once resumed."""
     transport = transport_env
-    other, other_endpoint = start_prefill(ROUNDS + 1, transport, lease=60.0)
+    other, other_endpoint = start_prefill(PREFILL_ROUNDS + 1, transport, lease=60.0)
     try:
-        s = spec((ROUNDS + 1) * PER_REQUEST)
+        s = spec((PREFILL_ROUNDS + 1) * PER_REQUEST)
         others = await fetch_requests(other_endpoint, s, None, "chaos")
         kv = akv.allocate_kv_cache(s, 0, 1)
         timeout = 2.0
@@ -186,7 +188,7 @@ async def test_prefill_dying_mid_transfer_leaves_decode_serving(transport_env: s
             started = time.monotonic()
             await (await keep.pull(others[-1].request_id, local, others[-1].block_ids))
             clean = time.monotonic() - started
-            for k in range(ROUNDS):
+            for k in range(PREFILL_ROUNDS):
                 victim, endpoint = start_prefill(2, transport, lease=60.0)
                 try:
                     reqs = await fetch_requests(endpoint, s, None, "chaos")
