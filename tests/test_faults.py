@@ -61,7 +61,7 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
         reqs_a = await fetch_requests(ep_a, spec, None, "t")
         reqs_b = await fetch_requests(ep_b, spec, None, "t")
         async with akv.Consumer(
-            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, transfer_timeout=10
+            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, transfer_timeout=10, mode="pull"
         ) as consumer:
             sa, sb = await consumer.connect(ep_a), await consumer.connect(ep_b)
             old_agent = sa.agents[0]
@@ -172,6 +172,7 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
             tp_rank=0,
             tp_size=1,
             transfer_timeout=1.0,
+            mode="pull",  # READs over TCP: the case this test is about
             handshake_timeout=1.0,
         ) as consumer:
             session = await consumer.connect(endpoint)

@@ -113,7 +113,7 @@ async def test_stalled_peer_timeout_leaves_blocks_alone(prefill: tuple[subproces
     s = spec()
     reqs = await fetch_requests(endpoint, s, None, "w")
     kv = akv.allocate_kv_cache(s, 0, 1)
-    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl", mode="pull") as consumer:
         session = await consumer.connect(endpoint)
         other = await consumer.connect(endpoint.replace("127.0.0.1", "localhost"))
         assert other is not session and other.agents == session.agents
@@ -139,7 +139,7 @@ async def test_closed_session_leaves_blocks_alone(prefill: tuple[subprocess.Pope
     s = spec()
     reqs = await fetch_requests(endpoint, s, None, "w")
     kv = akv.allocate_kv_cache(s, 0, 1)
-    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl", mode="pull") as consumer:
         session = await consumer.connect(endpoint)
         t = await session.pull(reqs[1].request_id, local_ids(1), reqs[1].block_ids, transfer_timeout=30)
         os.kill(proc.pid, signal.SIGSTOP)
@@ -158,7 +158,7 @@ async def test_short_timeout_leaves_blocks_alone(prefill: tuple[subprocess.Popen
     s = spec()
     reqs = await fetch_requests(endpoint, s, None, "w")
     kv = akv.allocate_kv_cache(s, 0, 1)
-    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl", mode="pull") as consumer:
         session = await consumer.connect(endpoint)
         t = await session.pull(reqs[2].request_id, local_ids(2), reqs[2].block_ids, transfer_timeout=0.002)
         with pytest.raises(akv.TransferTimeout):
@@ -198,7 +198,7 @@ async def test_reads_nixl_reports_running_hold_back_the_error() -> None:
         engine.fill("b", [3, 4], seed=2)
         backend = HeldBackend("held-war-d0")
         kv = akv.allocate_kv_cache(spec, 0, 1)
-        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend, same_process="nixl") as c:
+        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend, same_process="nixl", mode="pull") as c:
             session = await c.connect(engine.endpoint)
             backend.hold_until = time.monotonic() + 1.0
             t = await session.pull("a", [0, 1], [1, 2], transfer_timeout=0.1)

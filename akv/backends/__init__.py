@@ -3,8 +3,9 @@ module of akv that imports ``nixl``; it is loaded only when a rank starts."""
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
@@ -13,7 +14,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "DlistHandle", "Reaper", "XferHandle", "XferState", "mem_type"]
+__all__ = ["Backend", "DlistHandle", "Reaper", "XferHandle", "XferState", "mem_type", "ucx_tcp_only"]
 
 XferState = Literal["DONE", "PROC"]
 DlistHandle = Any
@@ -33,6 +34,27 @@ def mem_type(tensors: Sequence[torch.Tensor]) -> tuple[str, int]:
     if device.type == "cuda":
         return "VRAM", int(device.index or 0)
     raise BackendError(f"unsupported device {device}: use CPU (DRAM) or CUDA (VRAM) tensors")
+
+
+#: UCX transports that move no bytes between processes (loopback within one, local copies).
+_LOCAL_TLS = frozenset({"self", "cuda_copy", "rocm_copy", "ze_copy"})
+
+
+def ucx_tcp_only(environ: Mapping[str, str] | None = None) -> bool:
+    """True when ``UCX_TLS`` leaves TCP as the only transport between processes.
+
+    Over TCP, UCX has no one-sided READ: the *target* of a READ answers it from its own
+    worker, queueing one reply request per read. If the reader vanishes (killed, or its
+    agent destroyed to cut a hung read) while replies are still queued, UCX 1.23 (bundled
+    with NIXL 1.5.1) purges them through a path that reads fields it never set, and the
+    target process dies with SIGSEGV (docs/operations.md#peer-death-over-tcp). WRITEs over
+    TCP leave the target nothing queued, so a consumer defaults to push mode there.
+    """
+    env = os.environ if environ is None else environ
+    tls = [t.strip() for t in env.get("UCX_TLS", "").split(",") if t.strip()]
+    if not tls or tls[0].startswith("^"):
+        return False
+    return "tcp" in tls and all(t == "tcp" or t in _LOCAL_TLS for t in tls)
 
 
 class Backend(Protocol):

@@ -398,17 +398,24 @@ def report(a: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
 # -- transfer mode (push mode, issue 23) --------------------------------------------------
 
 
-def add_mode_flags(p: argparse.ArgumentParser, *, served: bool = False, layers: bool = False) -> None:
-    """``--mode`` (``served``: what a prefill engine serves, both when not given) and, where
-    prefill computes layers (``layers``), ``--layer-ms``."""
+def add_mode_flags(
+    p: argparse.ArgumentParser, *, served: bool = False, layers: bool = False, auto: bool = False
+) -> None:
+    """``--mode`` (``served``: what a prefill engine serves, both when not given; ``auto``:
+    the consumer's choice when not given) and, where prefill computes layers (``layers``),
+    ``--layer-ms``."""
     p.add_argument(
         "--mode",
         choices=("pull", "push"),
-        default=None if served else "pull",
+        default=None if served or auto else "pull",
         help="serve only this transfer mode (default: both)"
         if served
         else "pull: decode READs; push: prefill WRITEs into blocks decode grants, layer by layer "
-        "(default: %(default)s)",
+        + (
+            "(default: push when UCX_TLS leaves only tcp, else pull)"
+            if auto
+            else "(default: %(default)s)"
+        ),
     )
     if layers:
         p.add_argument(

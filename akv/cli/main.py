@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
     add_device_flag(p)
     add_tls_flags(p)
-    add_mode_flags(p)
+    add_mode_flags(p, auto=True)
     add_transfer_flags(p, "decode", "auto")
     p.set_defaults(func=cmd_decode)
 

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from anyio.abc import TaskGroup
 
 from akv._poll import from_threads
-from akv.backends import Reaper, mem_type
+from akv.backends import Reaper, mem_type, ucx_tcp_only
 from akv.errors import (
     AkvError,
     BackendError,
@@ -113,7 +113,11 @@ class Consumer(RankBase):
             blocks each pull grants them, layer by layer as prefill computes them; the
             prefill engine must serve push, else connecting raises
             [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``mode``).
-            Same API either way; ``TransferResult.path`` says ``"push"``.
+            Same API either way; ``TransferResult.path`` says ``"push"``. ``None`` (the
+            default): ``"push"`` when ``UCX_TLS`` leaves TCP as the only transport (a decode
+            rank dying mid-READ over UCX TCP can crash the prefill process, see
+            docs/operations.md#peer-death-over-tcp) and ``transfer`` is not ``"packed"``,
+            else ``"pull"``.
         stop_grace_s: push mode: seconds a failed or cancelled pull waits for its writers to
             confirm they stopped before it removes their agents and settles anyway.
         transfer: which copy of a request to read: ``"direct"`` (the paged blocks), ``"packed"``
@@ -158,7 +162,7 @@ class Consumer(RankBase):
         nixl_threads: int = 0,
         settle_timeout: float = 2.0,
         tls: TLSConfig | None = None,
-        mode: str = "pull",
+        mode: str | None = None,
         stop_grace_s: float = 5.0,
         transfer: str = "auto",
         pack_staging_bytes: int = 64 << 20,
@@ -197,9 +201,16 @@ class Consumer(RankBase):
         if copy_with not in ("auto", "torch"):
             raise ConfigError(f"copy_with must be 'auto' or 'torch', got {copy_with!r}")
         self.copy_with = copy_with
+        if mode is None:
+            mode = "push" if ucx_tcp_only() and transfer != "packed" else "pull"
         if mode not in ("pull", "push"):
             raise ConfigError(f"mode must be 'pull' or 'push', got {mode!r}")
-        self.mode = mode
+        if mode == "pull" and backend is None and ucx_tcp_only():
+            self._log.warning(
+                "pull mode over UCX TCP: a decode rank dying mid-read can crash the prefill "
+                "process (UCX 1.23); push mode avoids it (docs/operations.md#peer-death-over-tcp)"
+            )
+        self.mode: str = mode
         if not stop_grace_s > 0:
             raise ConfigError(f"stop_grace_s must be > 0, got {stop_grace_s}")
         self.stop_grace_s = stop_grace_s

@@ -1,0 +1,218 @@
+"""A peer's death never kills the survivor (issue 33): real prefill and decode processes, UCX
+over TCP and the default transports, pull and push, SIGKILL and SIGSTOP/SIGCONT just after a
+pull was posted, a quarter of the way and most of the way through. After each round the
+survivor still runs, a new peer pulls from it bit-exact, and every exposure is released once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+import akv
+from akv.cli import build_parser
+from akv.cli.args import spec_from_args
+from akv.testing import fetch_requests, spawn_prefill, verify_request
+from tests.conftest import stop
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+ROUNDS = int(os.environ.get("AKV_CHAOS_ROUNDS", "10"))
+#: a fresh prefill process per round (~15 s each): fewer by default, AKV_CHAOS_PREFILL_ROUNDS for more
+PREFILL_ROUNDS = int(os.environ.get("AKV_CHAOS_PREFILL_ROUNDS", "3"))
+PER_REQUEST = 128  # 256 KiB blocks: 32 MiB requests
+GEOMETRY = ["--layers", "4", "--kv-heads", "8", "--block-size", "16", "--head-dim", "128", "--dtype", "bfloat16"]
+TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+POINTS = (0.0, 0.25, 0.75)  # fractions of a clean transfer's time: just posted, a quarter, most
+#: (transport, mode): over TCP the consumer's default mode (push there), elsewhere both modes.
+LINKS = [("tcp", None), ("default", "pull"), ("default", "push")]
+
+DECODE = """
+import json, sys, anyio, akv
+from akv.cli import build_parser
+from akv.cli.args import spec_from_args
+endpoint, rid, blocks, mode = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+spec = spec_from_args(build_parser().parse_args(sys.argv[5:]))
+async def main():
+    kv = akv.allocate_kv_cache(spec, 0, 1)
+    async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, mode=None if mode == "None" else mode,
+                            transfer_timeout=3.0) as c:
+        session = await c.connect(endpoint)
+        t = await session.pull(rid, list(range(len(blocks))), blocks)
+        print(json.dumps({"event": "posted", "path_mode": c.mode}), flush=True)
+        try:
+            r = await t
+            print(json.dumps({"event": "done", "seconds": r.seconds}), flush=True)
+        except akv.AkvError as exc:
+            print(json.dumps({"event": "failed", "error": type(exc).__name__}), flush=True)
+anyio.run(main)
+"""
+
+
+def spec(blocks: int) -> akv.KVSpec:
+    args = ["decode", "--connect", "x:1", "--tp-size", "1", "--blocks", str(blocks), *GEOMETRY]
+    return spec_from_args(build_parser().parse_args(args))
+
+
+def env_of(transport: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in TCP:
+        env.pop(key, None)
+    if transport == "tcp":
+        env.update(TCP)
+    return env
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def transport_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    transport = str(request.param)
+    for key, value in TCP.items():
+        if transport == "tcp":
+            monkeypatch.setenv(key, value)
+        else:
+            monkeypatch.delenv(key, raising=False)
+    yield transport
+
+
+def start_prefill(requests: int, transport: str, lease: float) -> tuple[subprocess.Popen[str], str]:
+    return spawn_prefill(
+        "--tp-size", "1", "--tp-rank", "0", "--blocks", str(requests * PER_REQUEST), "--requests", str(requests),
+        "--blocks-per-request", str(PER_REQUEST), "--lease", str(lease), "--timeout", "900", "--hold", *GEOMETRY,
+        env={k: v for k, v in TCP.items()} if transport == "tcp" else None,
+    )  # fmt: skip
+
+
+def decode_process(endpoint: str, req: Any, mode: str | None, transport: str) -> subprocess.Popen[str]:
+    argv = ["decode", "--connect", "x:1", "--tp-size", "1", "--blocks", str(PER_REQUEST), *GEOMETRY]
+    return subprocess.Popen(
+        [sys.executable, "-c", DECODE, endpoint, req.request_id, json.dumps(list(req.block_ids)), str(mode), *argv],
+        stdout=subprocess.PIPE, text=True, env=env_of(transport),
+    )  # fmt: skip
+
+
+def next_event(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    while line := proc.stdout.readline():
+        if line.startswith("{"):
+            return dict(json.loads(line))
+    raise AssertionError(f"decode process exited ({proc.wait()}) early")
+
+
+async def pull_exact(endpoint: str, s: akv.KVSpec, req: Any, mode: str | None) -> None:
+    """A new decode peer (this process) pulls ``req`` bit-exact."""
+    kv = akv.allocate_kv_cache(s, 0, 1)
+    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, mode=mode, transfer_timeout=30) as c:
+        session = await c.connect(endpoint)
+        local = list(range(PER_REQUEST))
+        with anyio.fail_after(60):
+            await (await session.pull(req.request_id, local, req.block_ids))
+        assert verify_request(kv, s, 0, 1, local, req.seed)
+
+
+@pytest.mark.parametrize("transport_env,mode", [((t), m) for t, m in LINKS], indirect=["transport_env"])
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+async def test_decode_dying_mid_transfer_leaves_prefill_serving(transport_env: str, mode: str | None, fault: str) -> None:
+    """A decode process SIGKILLed, or SIGSTOPped and resumed, at three points of a 32 MiB pull:
+    the prefill process never dies, a new decode pulls bit-exact after every round, and every
+    request the new decodes pulled is released once, none twice."""
+    transport = transport_env
+    requests = 2 * ROUNDS + 1
+    proc, endpoint = start_prefill(requests, transport, lease=600.0)
+    try:
+        s = spec(requests * PER_REQUEST)
+        reqs = await fetch_requests(endpoint, s, None, "chaos")
+        started = time.monotonic()
+        await pull_exact(endpoint, s, reqs[-1], mode)  # a clean pull times the points
+        clean = time.monotonic() - started
+        for k in range(ROUNDS):
+            victim = decode_process(endpoint, reqs[2 * k], mode, transport)
+            try:
+                try:
+                    assert next_event(victim)["event"] == "posted"
+                except AssertionError:
+                    assert proc.poll() is None, f"round {k}: the prefill died ({proc.returncode})"
+                    raise
+                time.sleep(POINTS[k % len(POINTS)] * clean)
+                if fault == "kill":
+                    victim.kill()
+                else:
+                    victim.send_signal(signal.SIGSTOP)
+                    time.sleep(3.5)  # longer than the decode's transfer timeout
+                    victim.send_signal(signal.SIGCONT)
+                    outcome = next_event(victim)
+                    assert outcome["event"] in ("done", "failed"), outcome
+            finally:
+                stop(victim)
+            assert proc.poll() is None, f"round {k}: the prefill died ({proc.returncode})"
+            await pull_exact(endpoint, s, reqs[2 * k + 1], mode)
+            assert proc.poll() is None, f"round {k}: the prefill died ({proc.returncode})"
+        proc.send_signal(signal.SIGTERM)  # the summary: no request released twice
+        assert proc.stdout is not None
+        out = await anyio.to_thread.run_sync(proc.stdout.read)
+        assert proc.wait(10) >= 0, f"the prefill died of signal {-proc.returncode}"
+        summary = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1]
+        assert summary["duplicate_releases"] == 0 and summary["released"] >= ROUNDS + 1, summary
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("transport_env,mode", [((t), m) for t, m in LINKS], indirect=["transport_env"])
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+async def test_prefill_dying_mid_transfer_leaves_decode_serving(transport_env: str, mode: str | None, fault: str) -> None:
+    """A prefill process SIGKILLed, or SIGSTOPped (resumed once the pull failed), at three points
+    of a pull: the pull fails typed within its timeout plus 5 s, this decode keeps running and
+    pulls bit-exact from another prefill engine, and a stopped prefill still serves once resumed."""
+    transport = transport_env
+    other, other_endpoint = start_prefill(PREFILL_ROUNDS + 1, transport, lease=60.0)
+    try:
+        s = spec((PREFILL_ROUNDS + 1) * PER_REQUEST)
+        others = await fetch_requests(other_endpoint, s, None, "chaos")
+        kv = akv.allocate_kv_cache(s, 0, 1)
+        timeout = 2.0
+        async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, mode=mode, transfer_timeout=timeout) as c:
+            keep = await c.connect(other_endpoint)
+            local = list(range(PER_REQUEST))
+            started = time.monotonic()
+            await (await keep.pull(others[-1].request_id, local, others[-1].block_ids))
+            clean = time.monotonic() - started
+            for k in range(PREFILL_ROUNDS):
+                victim, endpoint = start_prefill(2, transport, lease=60.0)
+                try:
+                    reqs = await fetch_requests(endpoint, s, None, "chaos")
+                    session = await c.connect(endpoint)
+                    t = await session.pull(reqs[0].request_id, local, reqs[0].block_ids)
+                    await anyio.sleep(POINTS[k % len(POINTS)] * clean)
+                    victim.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                    hit = time.monotonic()
+                    try:
+                        with anyio.fail_after(timeout + 5 + c.settle_timeout):
+                            await t
+                    except akv.AkvError:
+                        assert time.monotonic() - hit < timeout + 5 + c.settle_timeout
+                    if fault == "stop":
+                        victim.send_signal(signal.SIGCONT)
+                        await anyio.sleep(0.5)
+                        assert victim.poll() is None, f"round {k}: the resumed prefill died ({victim.returncode})"
+                        await pull_exact(endpoint, s, reqs[1], mode)
+                        assert victim.poll() is None, f"round {k}: the resumed prefill died ({victim.returncode})"
+                    await session.aclose()
+                finally:
+                    stop(victim)
+                r = others[k]
+                await (await keep.pull(r.request_id, local, r.block_ids))
+                assert verify_request(kv, s, 0, 1, local, r.seed)
+    finally:
+        stop(other)
