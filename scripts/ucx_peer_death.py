@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -239,7 +240,7 @@ def trial(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
             watched = [survivor] if event.startswith("kill") else [victim, survivor]
             codes = {name: procs[name].wait(args.watch + 60) for name in watched}
             state_file = os.path.join(folder, "initiator.state")
-            seen = open(state_file).read() if os.path.exists(state_file) else ""
+            seen = Path(state_file).read_text() if os.path.exists(state_file) else ""
             crashed = [name for name, code in codes.items() if code is not None and code < 0]
             err = b"".join(procs[n].stderr.read() for n in crashed if procs[n].stderr is not None)
             return {"codes": codes, "crashed": crashed, "initiator": seen, "stderr": err.decode(errors="replace")[-6000:]}

@@ -81,7 +81,7 @@ def test_tensors_akv_cannot_read_in_place_are_refused() -> None:
 def test_extra_config_errors_name_the_key() -> None:
     """kv_connector_extra_config: unknown keys, bad values and bad types are ConfigErrors naming the key."""
     assert parse_options({"mode": "push", "port": "5701"}).port == 5701
-    with pytest.raises(akv.ConfigError, match="unknown field `prot`.*port"):
+    with pytest.raises(akv.ConfigError, match=r"unknown field `prot`.*port"):
         parse_options({"prot": 1})
     with pytest.raises(akv.ConfigError, match="mode"):
         parse_options({"mode": "pul"})

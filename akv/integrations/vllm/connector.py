@@ -157,21 +157,23 @@ class AkvPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._seconds = self._histogram_cls(
+        histogram: Any = self._histogram_cls
+        counter: Any = self._counter_cls
+        self._seconds: Any = histogram(
             name="vllm:akv_pull_seconds",
             documentation="Time of each akv pull, from its launch on a decode worker to its end.",
             buckets=[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0],
             labelnames=labelnames,
         )
-        self._bytes = self._counter_cls(
+        self._bytes: Any = counter(
             name="vllm:akv_pull_bytes", documentation="Bytes akv pulled into this instance.", labelnames=labelnames
         )
-        self._failed = self._counter_cls(
+        self._failed: Any = counter(
             name="vllm:akv_pulls_failed",
             documentation="akv pulls that failed (their requests are recomputed or failed).",
             labelnames=labelnames,
         )
-        self._released = self._counter_cls(
+        self._released: Any = counter(
             name="vllm:akv_releases",
             documentation="Exposed requests akv released, by reason.",
             labelnames=[*labelnames, "reason"],

@@ -14,6 +14,7 @@ machines, the core it is pinned to and a small KV space.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -53,10 +54,8 @@ class Instance:
                 self.proc.wait(timeout)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, 9)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
 
 

@@ -76,7 +76,8 @@ def content_for_device(device_type: str) -> Content:
 
 def _physical_order(t: torch.Tensor) -> list[int]:
     """The tensor's axes, outermost first (by stride; a size-1 axis may stand anywhere)."""
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
     if not t.permute(order).is_contiguous():
         raise ConfigError(
             f"a KV tensor of shape {tuple(t.shape)} and strides {t.stride()} is not a permutation of a "
@@ -107,18 +108,18 @@ def _region(t: torch.Tensor, group: LayerGroup, content: Content) -> tuple[torch
     order = _physical_order(t)
     view = t.permute(order)
     hs = group.head_size
-    names = {0: "block", 1: "unit", 2: "token"}
+    dims = {0: "block", 1: "unit", 2: "token"}
     if content == "token":
         if order[-1] != 3:
             raise ConfigError(f"group {group.name!r}: K/V content must be innermost, strides {t.stride()}")
-        axes = [names[d] if d != 3 else "comp,elem" for d in order]
+        axes = [dims[d] if d != 3 else "comp,elem" for d in order]
         return view.reshape(*view.shape[:-1], 2, hs), ",".join(axes)
     if order[-2:] != [2, 3]:
         raise ConfigError(
             f"group {group.name!r}: vLLM's CPU layout keeps each block's tokens and K/V innermost; "
             f"strides {t.stride()} do not"
         )
-    outer = [names[d] for d in order[:-2]]
+    outer = [dims[d] for d in order[:-2]]
     return view.reshape(*view.shape[:-2], 2, t.shape[2], hs), ",".join([*outer, "comp", "token", "elem"])
 
 

@@ -35,7 +35,8 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             anything but loopback unless ``allow_insecure``).
         allow_insecure: serve a non-loopback address without a secret (trusted networks only).
         tls_cert, tls_key, tls_ca: TLS on the control plane (PEM file paths).
-        mode: decode side: ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs).
+        mode: decode side: ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs); default:
+            akv's (push when ``UCX_TLS`` leaves only TCP, else pull).
         transfer: ``"direct"``, ``"packed"`` or ``"auto"`` (see akv's packed transfers).
         lease: prefill side: seconds an exposed request stays pinned unread.
         transfer_timeout: decode side: seconds a pull may take before it fails.
@@ -57,7 +58,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
-    mode: Literal["pull", "push"] = "pull"
+    mode: Literal["pull", "push"] | None = None
     transfer: Literal["direct", "packed", "auto"] = "direct"
     lease: float = 120.0
     transfer_timeout: float = 30.0

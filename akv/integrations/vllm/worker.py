@@ -118,7 +118,7 @@ class WorkerHalf:
             if self.ident.consumer:
                 self.consumer = self._enter(
                     akv.Consumer(
-                        regions, spec, mode=o.mode, transfer="auto" if o.transfer == "auto" else o.transfer,
+                        regions, spec, mode=o.mode, transfer=o.transfer,
                         transfer_timeout=o.transfer_timeout, connect_timeout=o.connect_timeout,
                         handshake_timeout=o.handshake_timeout, settle_timeout=o.settle_timeout, **common,
                     )
