@@ -68,7 +68,7 @@ def instance_command(
     akv_port: int = 5700,
     nixl_port: int = 5600,
     extra: Mapping[str, Any] | None = None,
-    core: int | None = None,
+    core: int | str | None = None,
     kv_space_gib: int = 1,
     tp: int = 1,
     block_size: int | None = None,
@@ -87,7 +87,8 @@ def instance_command(
         akv_port: akv's rank-0 control port (prefill instances).
         nixl_port: NixlConnector's side-channel port.
         extra: more ``kv_connector_extra_config`` keys.
-        core: pin the instance to this CPU core (``taskset``, and vLLM's OpenMP threads).
+        core: pin the instance to this CPU core (``taskset``, and vLLM's OpenMP threads); with
+            TP > 1, one core per rank as ``"0|1"`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` form).
         kv_space_gib: vLLM's CPU KV-cache space (whole GiB).
         tp: tensor-parallel size.
         block_size: vLLM's ``--block-size`` (default: vLLM's).
@@ -134,7 +135,7 @@ def instance_command(
         cmd += ["--kv-transfer-config", json.dumps(ktc)]
     cmd += list(vllm_args)
     if core is not None and shutil.which("taskset"):
-        cmd = ["taskset", "-c", str(core), *cmd]
+        cmd = ["taskset", "-c", str(core).replace("|", ","), *cmd]
     return cmd, env
 
 
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-port", type=int, default=8100)
     ap.add_argument("--akv-port", type=int, default=5700)
     ap.add_argument("--nixl-port", type=int, default=5600)
-    ap.add_argument("--core", type=int, default=None)
+    ap.add_argument("--core", default=None, help="CPU core to pin to (TP > 1: one per rank, e.g. '0|1')")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--kv-space-gib", type=int, default=1)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config keys, as JSON")
