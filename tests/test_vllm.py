@@ -173,6 +173,44 @@ def test_prefill_frees_its_blocks(pair: tuple[Instance, Instance], model: Path) 
     assert wait_metric(prefill, "vllm:kv_cache_usage_perc", 0.0) == 0.0
 
 
+def test_router_streams_chat_through_prefill_and_decode(pair: tuple[Instance, Instance], model: Path) -> None:
+    """examples/vllm/proxy.py routes a streaming chat completion through both instances: the
+    stream carries the decode instance's tokens, and decode pulled the prompt's KV."""
+    prefill, decode = pair
+    port = free_port()
+    proxy = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples/vllm/proxy.py"), "--prefill", prefill.url, "--decode", decode.url,
+         "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if _client.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        pulled = metric(decode, "vllm:akv_pull_bytes_total")
+        body = {"model": str(model), "messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 6,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        chunks = []
+        with _client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        assert len(chunks) >= 6 and "chat.completion.chunk" in chunks[0]
+        deadline = time.monotonic() + 20
+        while metric(decode, "vllm:akv_pull_bytes_total") == pulled and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric(decode, "vllm:akv_pull_bytes_total") > pulled
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        assert proxy.stderr is not None
+        proxy.stderr.close()
+
+
 def test_push_mode(pair: tuple[Instance, Instance], model: Path, tmp_path: Path) -> None:
     """A decode instance in push mode gets the same tokens; prefill releases the request as pushed."""
     prefill, _ = pair
