@@ -186,12 +186,13 @@ def test_router_streams_chat_through_prefill_and_decode(pair: tuple[Instance, In
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and proxy.poll() is None:
             try:
                 if _client.get(url + "/health").status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         pulled = metric(decode, "vllm:akv_pull_bytes_total")
         body = {"model": str(model), "messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 6,
                 "temperature": 0, "ignore_eos": True, "stream": True}

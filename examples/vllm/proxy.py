@@ -17,6 +17,7 @@ flag). ``GET /health`` answers once every instance does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 from collections.abc import AsyncIterator
@@ -68,13 +69,18 @@ def build_app(prefill: list[str], decode: list[str]) -> Starlette:
                 return JSONResponse({"down": base}, status_code=503)
         return JSONResponse({"ok": True})
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with client:
+            yield
+
     return Starlette(
         routes=[
             Route("/v1/completions", route, methods=["POST"]),
             Route("/v1/chat/completions", route, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
         ],
-        on_shutdown=[client.aclose],
+        lifespan=lifespan,
     )
 
 
