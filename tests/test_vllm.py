@@ -251,3 +251,15 @@ def test_killed_prefill_fails_the_pull_and_decode_serves_on(
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_bad_extra_config_stops_the_instance_with_one_line(model: Path, tmp_path: Path) -> None:
+    """An unknown key in kv_connector_extra_config stops vLLM at start-up with akv's line naming the key."""
+    inst = launch(tmp_path, model, "prefill", 0, extra={"prot": 5701})
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            wait_ready([inst], timeout=180)
+        assert "kv_connector_extra_config: Object contains unknown field `prot`" in inst.log.read_text(errors="replace")
+    finally:
+        inst.stop()
+

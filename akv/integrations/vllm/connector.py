@@ -76,6 +76,11 @@ class Identity:
         role = ktc.kv_role
         if role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"AkvConnector: kv_role {role!r}: use kv_producer, kv_consumer or kv_both")
+        if role != "kv_consumer" and not options.port and not options.etcd:
+            raise ConfigError(
+                "AkvConnector: a prefill instance needs a fixed 'port' (rank 0's control port, which its "
+                "responses name) or 'etcd' in kv_connector_extra_config"
+            )
         engine_id = options.engine_id or "vllm-" + re.sub(r"[^A-Za-z0-9._-]", "-", str(ktc.engine_id))[:120]
         pc = vllm_config.parallel_config
         return cls(
