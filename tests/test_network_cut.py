@@ -1,8 +1,8 @@
 """A network cut between two hosts never kills either side (issue 33): an ``akv prefill`` on
-host A, a decode process on host B pulling 64 MiB requests over TCP between the namespaces;
-mid-transfer A's link drops every packet for longer than the decode's transfer timeout, then
-comes back. Both processes still run, the pull failed typed in time, a pull after the restore
-verifies bit-exact, and every exposure is released once."""
+host A, a decode process on host B pulling 64 MiB requests over TCP between the namespaces
+(``UCX_TLS`` unset); mid-transfer A's link drops every packet for longer than the decode's
+transfer timeout, then comes back. Both processes still run, the pull failed typed in time,
+a pull after the restore verifies bit-exact, and every exposure is released once."""
 
 from __future__ import annotations
 
@@ -24,18 +24,7 @@ two = hosts(2)
 
 SECRET = "cut-test-secret"
 PER_REQUEST = 256  # 256 KiB blocks: 64 MiB requests
-GEOMETRY = [
-    "--layers",
-    "4",
-    "--kv-heads",
-    "8",
-    "--block-size",
-    "16",
-    "--head-dim",
-    "128",
-    "--dtype",
-    "bfloat16",
-]
+GEOMETRY = [*"--layers 4 --kv-heads 8 --block-size 16 --head-dim 128 --dtype bfloat16".split()]
 TIMEOUT = 3.0  # the decode's transfer_timeout
 SETTLE = 2.0  # its settle_timeout (the default)
 CUT = 6.0  # seconds the link drops everything: longer than TIMEOUT
@@ -121,10 +110,10 @@ def start_decode(host: Host, endpoint: str, mode: str) -> tuple[Any, Lines, Line
 
 
 #: The consumer's default across hosts with UCX_TLS unset is pull (akv cannot tell UCX picked TCP):
-#: the prefill answering its READs dies after the restore, in UCX's uct_tcp_ep_pending_purge.
+#: the prefill answering its READs dies after the restore (10 of 10 runs, see docs/operations.md).
 PULL_CRASHES = (
-    "issue 33: UCX 1.23 (NIXL 1.5.1) over TCP segfaults the READ target in uct_tcp_ep_pending_purge "
-    "once the restored link resets the reader's endpoint (docs/operations.md#peer-death-over-tcp)"
+    "issue 33: after the restore, UCX 1.23 (NIXL 1.5.1) aborts the READ target ('Fatal: unexpected "
+    "error: Endpoint timeout') or segfaults it in uct_tcp_ep_pending_purge (docs/operations.md#peer-death-over-tcp)"
 )
 
 
