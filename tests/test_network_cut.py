@@ -24,7 +24,7 @@ two = hosts(2)
 
 SECRET = "cut-test-secret"
 PER_REQUEST = 256  # 256 KiB blocks: 64 MiB requests
-GEOMETRY = [*"--layers 4 --kv-heads 8 --block-size 16 --head-dim 128 --dtype bfloat16".split()]
+GEOMETRY = ["--layers", "4", "--kv-heads", "8", "--block-size", "16", "--head-dim", "128", "--dtype", "bfloat16"]  # fmt: skip
 TIMEOUT = 3.0  # the decode's transfer_timeout
 SETTLE = 2.0  # its settle_timeout (the default)
 CUT = 6.0  # seconds the link drops everything: longer than TIMEOUT
