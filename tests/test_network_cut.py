@@ -110,16 +110,14 @@ def start_decode(host: Host, endpoint: str, mode: str) -> tuple[Any, Lines, Line
 
 
 #: The consumer's default across hosts with UCX_TLS unset is pull (akv cannot tell UCX picked TCP):
-#: the prefill answering its READs dies after the restore (10 of 10 runs, see docs/operations.md).
-PULL_CRASHES = (
-    "issue 33: after the restore, UCX 1.23 (NIXL 1.5.1) aborts the READ target ('Fatal: unexpected "
-    "error: Endpoint timeout') or segfaults it in uct_tcp_ep_pending_purge (docs/operations.md#peer-death-over-tcp)"
-)
+#: after the restore, UCX 1.23 (NIXL 1.5.1) aborts the READ target ("Fatal: unexpected error: Endpoint
+#: timeout") or segfaults it in uct_tcp_ep_pending_purge: 10 of 10 runs (docs/operations.md).
+#: push: must survive (the suite). default (pull here): crashes the prefill today (above), so it
+#: runs only as a reproducer, with AKV_CUT_PULL=1 (it then fails while UCX has the bug).
+MODES = ["push", *(["default"] if os.environ.get("AKV_CUT_PULL") else [])]
 
 
-@pytest.mark.parametrize(
-    "mode", [pytest.param("default", marks=pytest.mark.xfail(strict=True, reason=PULL_CRASHES)), "push"]
-)
+@pytest.mark.parametrize("mode", MODES)
 def test_cut_link_mid_pull_leaves_both_sides_serving(ab: Network, mode: str) -> None:
     """The prefill host's link lossy, then blackholed 6 s mid-pull (decode transfer timeout 3 s), then
     restored: neither process dies, the pull fails typed within timeout + settle + 5 s, a pull
