@@ -263,3 +263,22 @@ def test_bad_extra_config_stops_the_instance_with_one_line(model: Path, tmp_path
     finally:
         inst.stop()
 
+
+def test_gemma3_sliding_window_tokens_equal_colocated(tmp_path: Path) -> None:
+    """Gemma 3's interleaved sliding-window layers (window 64; vLLM without its hybrid
+    allocator keeps every block): prompts past the window decode the colocated tokens."""
+    gemma = tmp_path / "gemma3"
+    subprocess.run([sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(gemma), "--arch", "gemma3"],
+                   check=True, capture_output=True)
+    args = [*FAST, "--disable-hybrid-kv-cache-manager"]
+    prefill = launch(tmp_path, gemma, "prefill", 0, vllm_args=args)
+    decode = launch(tmp_path, gemma, "decode", 1, vllm_args=args)
+    try:
+        wait_ready([prefill, decode])
+        for i, n in enumerate((37, 300, 1000)):
+            tokens = prompt(n, seed=600 + i)
+            assert disaggregated(prefill, decode, gemma, tokens) == colocated(prefill, gemma, tokens), n
+    finally:
+        prefill.stop()
+        decode.stop()
+

@@ -102,7 +102,9 @@ def layer_groups(vllm_config: Any, kv_cache_config: Any) -> list[LayerGroup]:
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
         kind = type(spec).__name__
-        window = int(getattr(spec, "sliding_window", 0) or 0)
+        # A FullAttentionSpec may carry a sliding_window (vLLM without its hybrid allocator keeps
+        # every block of such layers): only a SlidingWindowSpec group holds just its window.
+        window = int(getattr(spec, "sliding_window", 0) or 0) if kind == "SlidingWindowSpec" else 0
         if "MLA" in kind:
             out.append(LayerGroup(f"g{i}", "mla", tuple(g.layer_names), 1, int(spec.head_size)))
         elif kind in ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):

@@ -160,7 +160,8 @@ def describe(
             if ptr in seen:
                 raise ConfigError(
                     f"layers {seen[ptr]!r} and {name!r} share one KV tensor: akv moves each layer's own "
-                    "(run vLLM without KV sharing across layers)"
+                    "(vLLM's hybrid KV-cache allocator shares them: start vLLM with "
+                    "--disable-hybrid-kv-cache-manager)"
                 )
             seen[ptr] = name
             if t.dtype not in _DTYPES:
