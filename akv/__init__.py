@@ -59,14 +59,16 @@ if TYPE_CHECKING:
     from akv.geometry.cache import CacheSpec, Component, Group
     from akv.geometry.spec import KVSpec
     from akv.geometry.tensors import allocate_kv_cache, layer_views
+    from akv.ledger import EngineRelease, EngineReleases, Release
     from akv.metrics import Metrics, MetricsSnapshot, TransferStats
     from akv.presets import preset
     from akv.protocol.address import Endpoint, EngineAddress, parse_engine_address
     from akv.runtime.consumer import Consumer
     from akv.runtime.control import ControlServer
     from akv.runtime.discovery import EtcdRegistry, RankRecord
-    from akv.runtime.producer import EngineRelease, EngineReleases, Producer, Release
-    from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
+    from akv.runtime.producer import Producer
+    from akv.runtime.session import TransferSession
+    from akv.runtime.transfer import PullRequest, Transfer, TransferResult
     from akv.sharding import expected_notifications, held_heads, plan_reads
     from akv.tls import TLSConfig
 
@@ -82,19 +84,19 @@ _LAZY: dict[str, str] = {
     "Endpoint": "akv.protocol.address",
     "EngineAddress": "akv.protocol.address",
     "EtcdRegistry": "akv.runtime.discovery",
-    "EngineRelease": "akv.runtime.producer",
-    "EngineReleases": "akv.runtime.producer",
+    "EngineRelease": "akv.ledger",
+    "EngineReleases": "akv.ledger",
     "KVSpec": "akv.geometry.spec",
     "layer_views": "akv.geometry.tensors",
     "preset": "akv.presets",
     "Metrics": "akv.metrics",
     "MetricsSnapshot": "akv.metrics",
     "Producer": "akv.runtime.producer",
-    "PullRequest": "akv.runtime.session",
+    "PullRequest": "akv.runtime.transfer",
     "RankRecord": "akv.runtime.discovery",
-    "Release": "akv.runtime.producer",
-    "Transfer": "akv.runtime.session",
-    "TransferResult": "akv.runtime.session",
+    "Release": "akv.ledger",
+    "Transfer": "akv.runtime.transfer",
+    "TransferResult": "akv.runtime.transfer",
     "TransferSession": "akv.runtime.session",
     "TransferStats": "akv.metrics",
     "TLSConfig": "akv.tls",

@@ -24,7 +24,7 @@ from akv.exposure import GENERATION_MASK, ExposureTable, digest
 from akv.plan import check_block_ids
 from akv.protocol.messages import Notice
 
-__all__ = ["Release", "ReleaseLedger", "ReleaseReason"]
+__all__ = ["EngineRelease", "EngineReleases", "Release", "ReleaseLedger", "ReleaseReason"]
 
 ReleaseReason = Literal["read", "expired", "closed", "pushed", "packed"]
 
@@ -243,3 +243,105 @@ def check_lease(lease: float) -> float:
     if not value > 0 or math.isnan(value) or math.isinf(value):
         raise ConfigError(f"lease must be a finite number of seconds > 0, got {lease}")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRelease:
+    """A request released on every rank of a prefill engine (see [`EngineReleases`][akv.EngineReleases]).
+
+    Attributes:
+        request_id: the request.
+        ranks: each rank's [`Release`][akv.Release], indexed by TP rank.
+    """
+
+    request_id: str
+    ranks: tuple[Release, ...]
+
+    @property
+    def reason(self) -> ReleaseReason:
+        """``"read"`` if every rank released by read, else the first other reason in rank order."""
+        return next((r.reason for r in self.ranks if r.reason != "read"), "read")
+
+    @property
+    def block_ids(self) -> npt.NDArray[np.int32]:
+        """The blocks now free on every rank (sorted; ranks usually share one block table);
+        flat ids (group offset + id) for a multi-group cache, see `groups`."""
+        return np.unique(np.concatenate([r.block_ids for r in self.ranks])).astype(np.int32)
+
+    @property
+    def groups(self) -> dict[str, npt.NDArray[np.int32]] | None:
+        """Multi-group caches: ``{group name: ids}`` now free on every rank (None for one group)."""
+        if self.ranks[0].groups is None:
+            return None
+        names = list(self.ranks[0].groups)
+        return {
+            n: np.unique(np.concatenate([r.groups[n] for r in self.ranks if r.groups])).astype(np.int32)
+            for n in names
+        }
+
+
+class EngineReleases:
+    """The engine-level view of releases, for a scheduler that frees a request's blocks once.
+
+    A [`Producer`][akv.Producer] reports a release per rank: an engine of P ranks gets P
+    [`Release`][akv.Release] records per exposed request, one from each rank. This collects
+    them and reports an [`EngineRelease`][akv.EngineRelease] once, when the last of the
+    engine's ``tp_size`` ranks has released the request.
+
+    Ranks in this process: pass ``releases.rank(r)`` as rank ``r``'s ``on_release``. Ranks in
+    other processes: forward each rank's releases to this process and call
+    [`add`][akv.EngineReleases.add].
+
+    Args:
+        tp_size: the prefill engine's tensor-parallel size.
+        on_release: called once per request when every rank has released it.
+    """
+
+    def __init__(self, tp_size: int, on_release: Callable[[EngineRelease], None] | None = None) -> None:
+        if tp_size < 1:
+            raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
+        self.tp_size = tp_size
+        self.on_release = on_release
+        self._partial: dict[str, list[Release | None]] = {}
+
+    def rank(self, tp_rank: int) -> Callable[[Release], None]:
+        """An ``on_release`` callback for rank ``tp_rank``'s producer."""
+        self._check_rank(tp_rank)
+
+        def on_release(release: Release) -> None:
+            self.add(tp_rank, release)
+
+        return on_release
+
+    def add(self, tp_rank: int, release: Release) -> EngineRelease | None:
+        """Record the ``release`` of rank ``tp_rank``; returns the engine release (after
+        ``on_release``) once every rank released the request, else None.
+
+        Raises [`ConfigError`][akv.errors.ConfigError] for a rank outside ``[0, tp_size)``
+        or a rank releasing a request twice before every rank did (request ids must be unique
+        among an engine's exposures until they are released).
+        """
+        self._check_rank(tp_rank)
+        slots = self._partial.setdefault(release.request_id, [None] * self.tp_size)
+        if slots[tp_rank] is not None:
+            raise ConfigError(
+                f"rank {tp_rank} released {release.request_id!r} twice before every rank did: "
+                "reuse a request id only once the engine released it"
+            )
+        slots[tp_rank] = release
+        if any(r is None for r in slots):
+            return None
+        del self._partial[release.request_id]
+        done = EngineRelease(release.request_id, tuple(r for r in slots if r is not None))
+        if self.on_release is not None:
+            self.on_release(done)
+        return done
+
+    @property
+    def pending(self) -> int:
+        """Requests released by some ranks of the engine and not yet by all."""
+        return len(self._partial)
+
+    def _check_rank(self, tp_rank: int) -> None:
+        if not 0 <= tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {tp_rank} is outside [0, {self.tp_size})")

@@ -127,7 +127,8 @@ async def run_decode(
     """Run decode rank ``--tp-rank`` in this process (without it: every rank, in this process);
     returns the JSON summary."""
     from akv.geometry.tensors import allocate_kv_cache
-    from akv.runtime.consumer import Consumer, PullRequest
+    from akv.runtime.consumer import Consumer
+    from akv.runtime.transfer import PullRequest
 
     spec = spec_from_args(a)
     size = a.tp_size

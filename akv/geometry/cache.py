@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from akv import sharding
 from akv.errors import BlockIdError, ConfigError, IncompatiblePeerError
+from akv.geometry.axes import parse_axes
 
 __all__ = [
     "LAYOUTS",
@@ -165,8 +166,6 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
             if self.joint_kv:
                 raise ConfigError(f"{where}: joint_kv is for attention groups")
         if "," in self.layout:
-            from akv.geometry.layout import parse_axes
-
             try:
                 axes = parse_axes(self.layout, tokens=self.tokens)
             except ConfigError as exc:

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from akv.errors import ConfigError
+from akv.geometry.axes import AXES, parse_axes
 from akv.geometry.cache import CacheSpec, Group
 
 __all__ = ["AXES", "GroupLayout", "Placement", "RankLayout", "group_layout", "parse_axes", "rank_layout"]
@@ -280,28 +281,6 @@ def _axes_layout(
     # one region per (layer, component), layer-major; per layer; per component; or one
     per_region = [shapes[ci] for _ in range(L if per_layer else 1) for ci in range(C if per_comp else 1)]
     return GroupLayout(g, tuple(per_region), tuple(places))
-
-
-AXES = ("layer", "comp", "block", "unit", "token", "elem")
-
-
-def parse_axes(layout: str, *, tokens: bool = True) -> tuple[str, ...]:
-    """The axes of `layout`, an order of ``layer, comp, block, unit, token, elem``
-    (outermost first). ``block``, ``unit`` and ``elem`` (last) are required, ``token`` for token
-    groups (`tokens`) only; ``layer`` / ``comp`` left out make one region per layer / component.
-
-    For example vLLM's per-layer ``[2, num_blocks, block_size, heads, dim]`` tensors are
-    ``"comp,block,token,unit,elem"``; ``HND`` is ``"block,unit,token,elem"``.
-    """
-    axes = tuple(a.strip() for a in layout.split(","))
-    need = {"block", "unit", "elem"} | ({"token"} if tokens else set())
-    allowed = need | {"layer", "comp"}
-    if len(set(axes)) != len(axes) or not need <= set(axes) or not set(axes) <= allowed or axes[-1] != "elem":
-        raise ConfigError(
-            f"layout {layout!r}: give an order of {', '.join(sorted(allowed))} with "
-            f"{', '.join(sorted(need))} present and elem last"
-        )
-    return axes
 
 
 def rank_layout(cache: CacheSpec, rank: int, tp_size: int) -> RankLayout:

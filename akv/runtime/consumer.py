@@ -1,13 +1,17 @@
-"""The decode side: connect to prefill engines, run the poller that completes pulls."""
+"""The decode side: one decode rank, its agent, its sessions and the poller that runs its pulls.
+
+Owns the rank's configuration, its NIXL agent (and replacing it when reads it cannot cancel
+outlive ``settle_timeout``), the registered areas (exposure-check slots, packed staging), the
+sessions by engine address, and the lifetime of its `PullPoller` (`akv.runtime.poller`).
+Sessions (`akv.runtime.session`) read the rank through `akv.runtime.rank.DecodeRank` and
+report to the poller, never to the consumer.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import math
-import secrets
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -19,16 +23,7 @@ from anyio.abc import TaskGroup
 
 from akv._poll import from_threads
 from akv.backends import Reaper, mem_type, ucx_tcp_only
-from akv.errors import (
-    AkvError,
-    BackendError,
-    ClosedError,
-    ConfigError,
-    PeerLostError,
-    ProtocolError,
-    TransferTimeout,
-    UnsafeReadError,
-)
+from akv.errors import BackendError, ClosedError, ConfigError, PeerLostError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import rank_layout
 from akv.geometry.spec import KVSpec
@@ -36,16 +31,14 @@ from akv.packing import DIR_WORDS, CacheViews
 from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
-from akv.protocol.push import decode_push
 from akv.runtime.packer import check_transfer
-from akv.runtime.paths import Failed, Pending
 from akv.runtime.paths.packed import AUTO_DESCRIPTORS, StagingPool
-from akv.runtime.paths.push import PushOp
-from akv.runtime.paths.read import CheckPool, flush_after_notice
+from akv.runtime.paths.read import CheckPool
+from akv.runtime.poller import PullPoller
 from akv.runtime.rank import RankBase, default_engine_id
-from akv.runtime.session import PullRequest, Transfer, TransferResult, TransferSession
+from akv.runtime.session import TransferSession
+from akv.runtime.transfer import PullRequest, Transfer, TransferResult
 from akv.tls import TLSConfig
-from akv.tracker import TransferTracker
 
 if TYPE_CHECKING:
     import torch
@@ -53,14 +46,6 @@ if TYPE_CHECKING:
     from akv.backends import Backend
 
 __all__ = ["Consumer", "PullRequest", "Transfer", "TransferResult", "TransferSession"]
-
-#: Seconds the poller keeps progressing the agent after standalone notices were sent.
-FLUSH_S = 0.5
-#: Longest sleep of the poller while push pulls are in flight.
-PUSH_POLL_S = 0.0005
-#: Seconds after a timed-out pull during which the idle poller still progresses the agent
-#: (every REAP_EVERY_S), so UCX frees the operations to a hung peer once it dies or resumes.
-REAP_S, REAP_EVERY_S = 120.0, 0.25
 
 
 class Consumer(RankBase):
@@ -214,8 +199,6 @@ class Consumer(RankBase):
         if not stop_grace_s > 0:
             raise ConfigError(f"stop_grace_s must be > 0, got {stop_grace_s}")
         self.stop_grace_s = stop_grace_s
-        self._grants: dict[int, Transfer] = {}  # push: grant id -> its pull, until settled
-        self._stopping: dict[Transfer, tuple[AkvError, float]] = {}  # failed pushes, writers not stopped yet
         self._metadata: bytes | None = None
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
@@ -241,36 +224,29 @@ class Consumer(RankBase):
         self._sessions: dict[str, TransferSession] = {}
         self._connecting: dict[str, anyio.Event] = {}
         self._local_dlists: dict[Any, Any] = {}
-        self._tracker = TransferTracker()
-        self._reaper: Reaper | None = None
-        self._flush_until = 0.0
-        self._reap_until = 0.0
-        # prefill ranks sent notices since the poller last flushed behind them
-        self._unflushed: set[tuple[TransferSession, int]] = set()
-        self._settling: dict[Transfer, AkvError] = {}  # failed pulls whose reads may still land
         self.agent_epoch = 0  # bumped each time the agent is replaced (see settle_timeout)
-        self._resetting: anyio.Event | None = None  # set while the agent is being replaced
-        self._retry_reset_at = 0.0
+        self._poller = PullPoller(
+            agent=lambda: self.backend,
+            mode=mode,
+            checks=self.checks,
+            metrics=self.metrics,
+            log=self._log,
+            backoff=self._backoff,
+            settle_timeout=settle_timeout,
+            stop_grace_s=stop_grace_s,
+            replace_agent=self._replace_agent,
+        )
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         backend = self.backend
-        self._reaper = Reaper(backend)
+        self._poller.start(may_replace=self._own_backend)  # an agent handed in is never replaced
         if self.mode == "push":
             self._metadata = await anyio.to_thread.run_sync(backend.metadata)
-            stack.push_async_callback(self._stop_pushes)  # runs before the poller stops
+            stack.push_async_callback(self._poller.stop_pushes)  # runs before the poller stops
         if self.verify_exposure:
             await anyio.to_thread.run_sync(backend.register_host, self.checks.array)
             self.checks.dlist = await anyio.to_thread.run_sync(backend.prep, "", self.checks.table(), "DRAM")
-        tg.start_soon(self._poll)
-
-    async def _stop_pushes(self) -> None:
-        """Closing: fail the push pulls in flight and wait (up to ``stop_grace_s``) until
-        their writers stopped, while the poller still runs."""
-        with anyio.CancelScope(shield=True):
-            for _state, transfer in list(self._tracker):
-                self.fail(transfer, ClosedError("the consumer was closed"))
-            with anyio.move_on_after(self.stop_grace_s + 1):
-                await self.settled()
+        tg.start_soon(self._poller.run)
 
     async def enable_packing(self) -> None:
         """Allocate and register the staging area of packed reads (once; the first session
@@ -289,8 +265,8 @@ class Consumer(RankBase):
 
     def _teardown(self) -> None:
         backend = self.backend_or_none
-        now = time.monotonic()
-        if backend is not None and (now < self._reap_until or now < self._flush_until):
+        poller = self._poller
+        if backend is not None and poller.lingering(time.monotonic()):
             # let UCX send the notices still queued, and retire what it holds for a lost peer
             for _ in range(50):
                 try:
@@ -298,26 +274,15 @@ class Consumer(RankBase):
                 except BackendError:
                     break
                 time.sleep(0.002)
-        for _state, transfer in self._tracker:
-            self.fail(transfer, ClosedError("the consumer was closed"))
+        poller.fail_all(ClosedError("the consumer was closed"))
         for session in list(self._sessions.values()):
-            for transfer in list(session.transfers):
-                self.fail(transfer, ClosedError("the session was closed"))
+            session.fail_running(ClosedError("the session was closed"))
         # Push writers asked to stop and not confirmed yet: the agent closes now (their
         # connections go with it); see docs/concepts.md#push-mode for what that guarantees.
-        for transfer, (error, _) in list(self._stopping.items()):
-            self.metrics.inc("push_stops_unconfirmed")
-            transfer.finish(error)
-        self._stopping.clear()
-        self._grants.clear()
-        if (self._settling or (self._reaper is not None and len(self._reaper))) and backend is not None:
-            backend.close()  # nothing of the failed pulls can land once the agent is destroyed
-            if self._reaper is not None:
-                self._reaper.abandon()  # drops their handles: the agent goes with the last one
-        self._finish_settled(everything=True)
+        poller.close(backend)
         for session in list(self._sessions.values()):
             session.closed = True
-            session._unload()
+            session.remote.unload()
         self._sessions.clear()
         if self.staging is not None:
             self.staging.close()
@@ -329,14 +294,12 @@ class Consumer(RankBase):
     @property
     def inflight(self) -> int:
         """Pulls launched and not yet settled."""
-        return len(self._tracker)
+        return self._poller.inflight
 
     @property
     def reaper(self) -> Reaper:
         """Releases transfer handles, now or once NIXL can (valid inside the context manager)."""
-        if self._reaper is None:
-            raise ClosedError("the consumer is not running")
-        return self._reaper
+        return self._poller.reaper
 
     @property
     def backend_or_none(self) -> Backend | None:
@@ -350,26 +313,11 @@ class Consumer(RankBase):
             self._metadata = self.backend.metadata()
         return self._metadata
 
-    def new_grant(self) -> int:
-        """A fresh push grant id (random, never 0, not in use)."""
-        while True:
-            grant = secrets.randbits(62) + 1
-            if grant not in self._grants:
-                return grant
-
     async def settled(self, session: TransferSession | None = None) -> None:
         """Wait until the failed pulls (of ``session``, or all) have settled: nothing of their
         reads can still land (see ``settle_timeout``), and every push writer confirmed it
         stopped, or was cut off (see ``stop_grace_s``)."""
-        while waiting := [
-            t for t in (*self._stopping, *self._settling) if session is None or t.session is session
-        ]:
-            running = [t for t in waiting if not t.done()]
-            if not running:  # reported, not forgotten yet: look again shortly
-                await anyio.sleep(0.005)
-                continue
-            with contextlib.suppress(AkvError):
-                await running[0].wait()
+        await self._poller.settled(session)
 
     def local_dlist(self, key: Any, table: npt.NDArray[np.int64]) -> Any:
         """The prepared local list for a table key (shared by every session)."""
@@ -399,13 +347,15 @@ class Consumer(RankBase):
             session = self._sessions.get(key)
             if session is not None and not session.closed:
                 return session
+            if session is not None:  # closed by its owner: forget it
+                del self._sessions[key]
             pending = self._connecting.get(key)
             if pending is None:
                 break
             await pending.wait()  # then look again: the other caller succeeded, or we try
         done = self._connecting[key] = anyio.Event()
         try:
-            session = TransferSession(self, address)
+            session = TransferSession(self, self._poller, address, self._log)
             await session.handshake()
             self._sessions[key] = session
             return session
@@ -414,133 +364,19 @@ class Consumer(RankBase):
                 del self._connecting[key]
             done.set()
 
-    def forget(self, session: TransferSession) -> None:
-        """Drop a closed session from the cache."""
-        if self._sessions.get(str(session.endpoint)) is session:
-            del self._sessions[str(session.endpoint)]
-
-    # -- poller --------------------------------------------------------------------------
-
-    def track(self, transfer: Transfer) -> None:
-        """Hand a launched pull to the poller (polled once right away: shared-memory reads are
-        often done by the time they are posted)."""
-        self._tracker.add(transfer.state, transfer)
-        if isinstance(transfer.op, PushOp):
-            self._grants[transfer.op.grant] = transfer
-        self._check(transfer, time.monotonic())
-        if self._unflushed:  # it finished at once: flush before the caller's next pull
-            self._flush_noticed()
-        if not transfer.done():
-            self._backoff.wake()
-
-    def reap(self) -> None:
-        """A peer was lost or hung: keep progressing the agent for a while (see REAP_S)."""
-        self._reap_until = time.monotonic() + REAP_S
-        self._backoff.wake()
-
-    def flush_notices(self) -> None:
-        """Standalone notices leave only while the agent progresses: keep the poller at it briefly."""
-        self._flush_until = time.monotonic() + FLUSH_S
-        self._backoff.wake()
-
-    def noticed(self, session: TransferSession, ranks: Collection[int]) -> None:
-        """Notices went to these prefill ranks over NIXL: the poller flushes behind them at the
-        end of its round, one background READ per rank however many notices it got (see
-        `akv.runtime.paths.read.flush_after_notice`)."""
-        self._unflushed.update((session, rank) for rank in ranks)
-        self._backoff.wake()
-
-    def _flush_noticed(self) -> None:
-        """One background READ behind the notices to each rank noticed, unless a pull of its
-        session has yet to send its notice (the prefill rank's poller is busy until then, so
-        it acknowledges at once; that pull is noticed in turn); a rank not linked any more,
-        or failing, gets none."""
-        unflushed, self._unflushed = self._unflushed, set()
-        for session, rank in unflushed:
-            if session.closed or any(not t.notified for t in session.transfers):
-                continue
-            link = session.links.get(rank)
-            if link is not None and link.check is not None and not link.broken:
-                flush_after_notice(self.backend, self.reaper, self.checks, link.check)
-
-    def fail(self, transfer: Transfer, error: AkvError) -> None:
-        """Fail a pull: stop its transfer and settle it with ``error`` once nothing it started
-        can still write into its blocks: at once, unless NIXL still reports reads running (see
-        ``settle_timeout``) or push writers have not confirmed they stopped (see
-        ``stop_grace_s`` and `_settle_pushes`)."""
-        if transfer in self._settling:
-            return
-        transfer.op.abort()
-        was_done = transfer.done() or transfer.state.finished
-        transfer.state.fail()
-        self._tracker.discard(transfer.state)
-        transfer.session.transfers.discard(transfer)
-        if isinstance(error, (TransferTimeout, PeerLostError)):
-            # Operations to a hung or lost peer stay pending in UCX (releasing a handle does not
-            # cancel them) until the peer dies or resumes *and* this agent progresses: keep reaping.
-            self.reap()
-        if not was_done:
-            self.metrics.inc(
-                "transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed"
-            )
-            self._log.info("transfer failed", request=transfer.request_id, error=str(error))
-        if not was_done and self._reaper is not None and self._reaper.holds(transfer.op):
-            self._settling[transfer] = error  # settled by the poller (see settle_timeout)
-            self._backoff.wake()
-            return
-        if isinstance(transfer.op, PushOp) and not transfer.op.settled:
-            if transfer not in self._stopping:
-                self._stopping[transfer] = (error, time.monotonic() + self.stop_grace_s)
-            self._backoff.wake()
-            return
-        self._forget_grant(transfer)
-        transfer.finish(error)
-
-    async def settle(self, op: object) -> None:
-        """Wait until nothing ``op`` started can still land (bounded by ``settle_timeout``
-        and an agent reset, for an agent this rank created)."""
-        while not self.closed:
-            if self._resetting is not None:  # the old agent is being destroyed
-                await self._resetting.wait()
-            elif self._reaper is not None and self._reaper.holds(op):
-                self._backoff.wake()
-                await anyio.sleep(0.005)
-            else:
-                return
-
-    def _finish_settled(self, everything: bool = False, among: Collection[Transfer] | None = None) -> None:
-        """Report the failed pulls nothing of which can land any more (``everything``: all of
-        them, or all ``among`` these, whose agent is gone)."""
-        reaper = self._reaper
-        for transfer, error in list(self._settling.items()):
-            if among is not None and transfer not in among:
-                continue
-            if everything or reaper is None or not reaper.holds(transfer.op):
-                del self._settling[transfer]
-                transfer.finish(error)
-
-    async def _reset_agent(self) -> None:
+    async def _replace_agent(self) -> None:
         """Reads NIXL cannot cancel outlived ``settle_timeout``: replace this rank's agent.
         The old one is destroyed (its UCX workers and endpoints with it), so nothing it
         started can land; every session re-links with the new one on its next pull."""
-        old, old_reaper = self.backend, self.reaper
-        self._resetting = resetting = anyio.Event()
-        try:
-            await self._replace_agent(old, old_reaper)
-        finally:
-            self._resetting = None
-            resetting.set()
-
-    async def _replace_agent(self, old: Backend, old_reaper: Reaper) -> None:
         self._log.warning(
             "reads that NIXL cannot cancel are still in flight: replacing this rank's NIXL agent",
-            held=len(old_reaper),
+            held=len(self._poller.reaper),
             settle_timeout=self.settle_timeout,
         )
         async with self._packing:  # staging registered meanwhile would miss the new agent
-            await self._swap_agent(old, old_reaper)
+            await self._swap_agent(self.backend)
 
-    async def _swap_agent(self, old: Backend, old_reaper: Reaper) -> None:
+    async def _swap_agent(self, old: Backend) -> None:
         new = await anyio.to_thread.run_sync(self._new_backend)
         try:
             await anyio.to_thread.run_sync(new.register, self.kv_caches)
@@ -563,10 +399,10 @@ class Consumer(RankBase):
         )
         for session in list(self._sessions.values()):
             session.reset_links(error)
-        for _state, transfer in list(self._tracker):
-            self.fail(transfer, error)
-        quarantined = set(self._settling)  # theirs may land until the old agent is gone
-        self._backend, self._reaper = new, Reaper(new)
+        self._poller.fail_all(error)
+        quarantined = self._poller.quarantined()  # theirs may land until the old agent is gone
+        self._backend = new
+        old_reaper = self._poller.adopt(new)
         self._metadata = None  # push mode: the next handshakes carry the new agent's metadata
         self.checks.dlist = dlist
         if directories is not None:
@@ -580,158 +416,5 @@ class Consumer(RankBase):
             gc.collect()
         if not old.destroyed:  # pragma: no cover - a list or handle of it is still referenced
             self._log.error("the replaced NIXL agent is still referenced: its reads may still land")
-        self._finish_settled(everything=True, among=quarantined)
+        self._poller.finish_settled(everything=True, among=quarantined)
         self.metrics.inc("agent_resets")
-
-    def _forget_grant(self, transfer: Transfer) -> None:
-        if isinstance(transfer.op, PushOp) and self._grants.get(transfer.op.grant) is transfer:
-            del self._grants[transfer.op.grant]
-
-    def _settle_pushes(self, now: float) -> None:
-        """Settle failed push pulls whose writers all stopped; past the grace period, remove
-        the agents of writers that did not confirm (they can no longer reach this rank through
-        them) and settle anyway."""
-        for transfer, (error, deadline) in list(self._stopping.items()):
-            op = transfer.op
-            if isinstance(op, PushOp) and not op.settled:
-                if now < deadline:
-                    continue
-                silent = op.unconfirmed
-                self.metrics.inc("push_stops_unconfirmed")
-                self._log.warning(
-                    "push writers did not confirm they stopped: their agents are removed",
-                    request=transfer.request_id,
-                    prefill_ranks=silent,
-                )
-                transfer.session.invalidate(silent)
-            del self._stopping[transfer]
-            self._forget_grant(transfer)
-            transfer.finish(error)
-
-    def pump(self) -> None:
-        """Push mode: progress the agent now (a notice just queued goes out), dispatching
-        what arrived."""
-        try:
-            self._drain()
-        except BackendError as exc:  # pragma: no cover - defensive: the poller tries again
-            self._log.warning("draining notifications failed", error=str(exc))
-
-    def _drain(self) -> bool:
-        """Push mode: take the writers' notices, each to the pull it is bound to; anything
-        else (late, unknown, repeated, from another agent) is dropped and counted."""
-        notifs = self.backend.notifications()
-        for agent, messages in notifs.items():
-            for raw in messages:
-                try:
-                    notice = decode_push(raw)
-                except ProtocolError:
-                    self.metrics.inc("push_notices_dropped")
-                    continue
-                transfer = self._grants.get(notice.grant)
-                op = transfer.op if transfer is not None else None
-                if not isinstance(op, PushOp) or not op.on_notice(agent, notice):
-                    self.metrics.inc("push_notices_dropped")
-        return bool(notifs)
-
-    def _complete(self, transfer: Transfer) -> None:
-        session = transfer.session
-        self._tracker.discard(transfer.state)
-        session.transfers.discard(transfer)
-        self._forget_grant(transfer)
-        # Reads carry their own notification; the other ranks (all, if nothing was read) get one now.
-        if transfer.notify:
-            session.notify(transfer.notify, transfer.notice)
-        transfer.finish()
-        result = transfer.result()
-        self.metrics.inc("transfers")
-        self.metrics.observe_transfer(result.bytes, result.descriptors, result.seconds)
-
-    def _check(self, transfer: Transfer, now: float) -> bool:
-        """Poll one transfer; True if anything changed."""
-        state = transfer.state
-        if state.finished:
-            return False
-        outcome = transfer.op.poll()
-        notified = transfer.op.take_notified()
-        if notified:
-            transfer.notified = True
-            self.noticed(transfer.session, notified)
-        if outcome is None:
-            self._complete(transfer)
-            return True
-        if isinstance(outcome, Failed):
-            if isinstance(outcome.error, UnsafeReadError):
-                self.metrics.inc("unsafe_reads")
-            transfer.session.mark_broken(outcome.error, outcome.rank)
-            self.fail(transfer, outcome.error)
-            if outcome.notify:
-                transfer.session.notify(outcome.notify, transfer.notice)
-            return True
-        if state.timed_out(now):
-            self.fail(
-                transfer,
-                TransferTimeout(
-                    f"transfer {transfer.request_id!r} from {transfer.session.endpoint} did not finish "
-                    f"within {state.timeout_s:.1f}s (hung peer?)"
-                ),
-            )
-            return True
-        if state.heartbeat_due(now):
-            transfer.session.extend([transfer.request_id])
-        return isinstance(outcome, Pending) and outcome.changed
-
-    async def _poll(self) -> None:
-        backoff = self._backoff
-        while True:
-            now = time.monotonic()
-            progressed = False
-            pushing = self.mode == "push"
-            if pushing:
-                try:
-                    progressed |= self._drain()
-                except BackendError as exc:  # pragma: no cover - defensive: keep polling
-                    self._log.warning("draining notifications failed", error=str(exc))
-            for _state, transfer in self._tracker:
-                try:
-                    progressed |= self._check(transfer, now)
-                except BackendError as exc:  # pragma: no cover - defensive: keep polling
-                    self.fail(transfer, exc)
-            if self._unflushed:
-                self._flush_noticed()
-            if self._stopping:
-                self._settle_pushes(now)
-            reaper = self.reaper
-            if len(reaper) or reaper.background:
-                reaper.retry()
-            if self._settling:
-                self._finish_settled()
-            oldest = reaper.oldest()
-            if (
-                self._own_backend
-                and oldest is not None
-                and now - oldest > self.settle_timeout
-                and now >= self._retry_reset_at
-            ):
-                try:
-                    await self._reset_agent()
-                except AkvError as exc:  # no new agent: the failed pulls stay quarantined
-                    self._retry_reset_at = now + self.settle_timeout
-                    self._log.error("replacing the NIXL agent failed; trying again later", error=str(exc))
-                continue
-            backend = self.backend
-            if progressed:
-                backoff.progressed()
-            flushing = now < self._flush_until
-            reaping = now < self._reap_until
-            if (flushing or reaping) and not pushing:
-                try:
-                    backend.progress()
-                except BackendError as exc:  # pragma: no cover - defensive: keep polling
-                    self._log.warning("progressing the agent failed", error=str(exc))
-            if len(self._tracker) or flushing or self._settling or self._stopping:
-                # push: the writers' notices are the completion; look for them often
-                await backoff.wait(busy=True, limit=PUSH_POLL_S if pushing and self._grants else None)
-            else:
-                # background reads: released within REAP_EVERY_S of their end
-                limit = 0.01 if len(reaper) else REAP_EVERY_S if reaping or reaper.background else math.inf
-                await backoff.wait(busy=False, limit=limit)

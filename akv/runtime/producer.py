@@ -12,38 +12,35 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
-from anyio.abc import TaskGroup, TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from akv.backends import mem_type
 from akv.errors import (
     AkvError,
-    AuthenticationError,
     ClosedError,
     ConfigError,
-    HandshakeError,
-    IncompatiblePeerError,
     ProtocolError,
-    RefusedError,
     UnknownRequestError,
 )
 from akv.exposure import ExposureTable
 from akv.geometry.cache import CacheSpec
 from akv.geometry.spec import KVSpec
-from akv.ledger import Release, ReleaseLedger, ReleaseReason, check_lease
+from akv.ledger import Release, ReleaseLedger, check_lease
 from akv.protocol.address import Endpoint, check_engine_id, parse_endpoint
-from akv.protocol.messages import Hello, Notice, RankInfo, Register, decode_notice
+from akv.protocol.messages import Hello, Notice, RankInfo, Register, Registered, decode_notice
 from akv.protocol.push import decode_push, is_push
-from akv.runtime import local
-from akv.runtime.control import ControlServer, register_rank
+from akv.runtime import local, registration
+from akv.runtime.control import ControlServer
+from akv.runtime.listeners import Listeners
 from akv.runtime.packer import Packer, check_transfer, fragmented
+from akv.runtime.pusher import Pusher
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.tls import TLSConfig
 
@@ -52,15 +49,13 @@ if TYPE_CHECKING:
 
     from akv.backends import Backend
 
-__all__ = ["EngineRelease", "EngineReleases", "Producer", "Release"]
+__all__ = ["Producer", "Release"]
 
 #: Releases kept for a [`Producer.releases`][akv.Producer.releases] reader that is not keeping up.
 RELEASE_BUFFER = 4096
 #: Longest sleep of the poller while pushing decode ranks are linked and requests exposed
 #: (an announcement waits for the next look).
 PUSH_POLL_S = 0.0005
-#: Seconds between a rank's registrations with its engine's bootstrap.
-REGISTER_EVERY_S = 2.0
 
 
 class Producer(RankBase):
@@ -224,7 +219,7 @@ class Producer(RankBase):
             count=self.metrics.inc,
             split=self.cache.split if len(self.cache.groups) > 1 else None,
         )
-        self._streams: list[MemoryObjectSendStream[Release]] = []
+        self._listeners = Listeners(self.metrics)
         self._info: RankInfo | None = None
         self._idle: anyio.Event | None = None
         self._inbox: deque[tuple[str, bytes]] = deque()  # notices from decode ranks of this process
@@ -248,8 +243,6 @@ class Producer(RankBase):
         # exposed with layers still to compute: packed once the last one is ready
         self._pack_later: dict[str, tuple[Sequence[npt.NDArray[np.int32]], npt.NDArray[np.int32], int]] = {}
 
-        from akv.runtime.pusher import Pusher
-
         self.pusher = Pusher(self, self._deliver, self._log)
 
     # -- lifetime -----------------------------------------------------------------------
@@ -271,74 +264,36 @@ class Producer(RankBase):
             await tg.start(self.server.serve)
         tg.start_soon(self._poll)
         if self.bootstrap is not None:
-            await tg.start(self._keep_registered, self.bootstrap)
+            msg = Register(
+                engine_id=self.engine_id if self._named else "",
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                endpoint=str(self.endpoint),
+                compat=self.cache.compat_hash(),
+                spec=self.cache,
+            )
+            keep = registration.keep_registered
+            await tg.start(
+                keep, self.bootstrap, msg, self.server.secret, self._tls_client, self._registered, self._log
+            )
         if self.etcd is not None:
             from akv.runtime.discovery import EtcdRegistry, RankRecord
 
             record = RankRecord.create(
                 self.engine_id, self.tp_rank, self.tp_size, self.endpoint, compat=self.cache.compat_hash()
             )
-            await tg.start(self._keep_in_etcd, EtcdRegistry(self.etcd, ttl=self.etcd_ttl), record)
+            await tg.start(registration.keep_in_etcd, EtcdRegistry(self.etcd, ttl=self.etcd_ttl), record)
 
-    @staticmethod
-    async def _keep_in_etcd(registry: Any, record: Any, *, task_status: TaskStatus[bool]) -> None:
-        """Keep this rank registered; the registry closes after the lease is revoked on exit."""
-        async with registry:
-            await registry.keep_registered(record, task_status=task_status)
-
-    async def _keep_registered(self, bootstrap: Endpoint, *, task_status: TaskStatus[None]) -> None:
-        """Register with the bootstrap now and every REGISTER_EVERY_S (a restarted rank 0 forgets).
-
-        A refusal at start (another engine, TP size or cache) is a ConfigError; an unreachable
-        bootstrap is retried in the background.
-        """
-        msg = Register(
-            engine_id=self.engine_id if self._named else "",
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            endpoint=str(self.endpoint),
-            compat=self.cache.compat_hash(),
-            spec=self.cache,
-        )
-        started, warned, delay = False, False, 0.1
-        while True:
-            try:
-                reply = await register_rank(bootstrap, msg, secret=self.server.secret, tls=self._tls_client)
-            except IncompatiblePeerError as exc:  # refusals are told apart by type, never by wording
-                if not started:
-                    raise IncompatiblePeerError(
-                        f"rank {self.tp_rank}: the bootstrap at {bootstrap}: {exc}", exc.fields
-                    ) from None
-                self._log.warning("the bootstrap refuses this rank", error=str(exc))
-                warned = True
-            except (RefusedError, AuthenticationError) as exc:
-                if not started:
-                    raise ConfigError(f"rank {self.tp_rank}: the bootstrap at {bootstrap}: {exc}") from None
-                self._log.warning("the bootstrap refuses this rank", error=str(exc))
-                warned = True
-            except HandshakeError as exc:  # unreachable, busy, timed out: try again
-                if not warned:
-                    self._log.warning("cannot register with the bootstrap; retrying", error=str(exc))
-                warned = True
-            else:
-                if not self._named:
-                    self.engine_id = reply.engine_id
-                self.server.learned_instance = reply.instance_id
-                if warned:
-                    self._log.info("registered with the bootstrap again", bootstrap=str(bootstrap))
-                warned, delay = False, REGISTER_EVERY_S
-            if not started:
-                started = True
-                task_status.started()
-            await anyio.sleep(delay)
-            delay = REGISTER_EVERY_S if delay >= REGISTER_EVERY_S else min(delay * 2, REGISTER_EVERY_S)
+    def _registered(self, reply: Registered) -> None:
+        """The bootstrap took this rank: adopt the engine's name (unless named) and incarnation."""
+        if not self._named:
+            self.engine_id = reply.engine_id
+        self.server.learned_instance = reply.instance_id
 
     def _teardown(self) -> None:
         self.pusher.close()
         self._deliver(self.ledger.close())
-        for stream in self._streams:
-            stream.close()
-        self._streams.clear()
+        self._listeners.close()
         if self._idle is not None:
             self._idle.set()
 
@@ -513,12 +468,7 @@ class Producer(RankBase):
         are dropped for that reader and counted as ``releases_dropped`` (``on_release`` never
         misses one). Close the stream when done.
         """
-        send, receive = anyio.create_memory_object_stream[Release](max_buffer_size=max_buffer)
-        if self.closed:
-            send.close()
-        else:
-            self._streams.append(send)
-        return receive
+        return self._listeners.stream(max_buffer, closed=self.closed)
 
     async def wait_released(self) -> None:
         """Return once no request is pending."""
@@ -557,19 +507,9 @@ class Producer(RankBase):
                     self.on_release(release)
                 except Exception:
                     self._log.exception("on_release callback failed", request=release.request_id)
-            for stream in list(self._streams):
-                self._send(stream, release)
+            self._listeners.send(release)
         if settled and not len(self.ledger) and self._idle is not None:
             self._idle.set()
-
-    def _send(self, stream: MemoryObjectSendStream[Release], release: Release) -> None:
-        try:
-            stream.send_nowait(release)
-        except anyio.WouldBlock:
-            self.metrics.inc("releases_dropped")
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._streams.remove(stream)  # the reader went away: prune
-            stream.close()
 
     # -- polling ------------------------------------------------------------------------
 
@@ -666,105 +606,3 @@ class Producer(RankBase):
             if pusher.targets and len(self.ledger):  # announcements may come: look often
                 until = min(until if until is not None else math.inf, PUSH_POLL_S)
             await backoff.wait(busy=bool(len(self.ledger)) or pusher.busy, limit=until)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRelease:
-    """A request released on every rank of a prefill engine (see [`EngineReleases`][akv.EngineReleases]).
-
-    Attributes:
-        request_id: the request.
-        ranks: each rank's [`Release`][akv.Release], indexed by TP rank.
-    """
-
-    request_id: str
-    ranks: tuple[Release, ...]
-
-    @property
-    def reason(self) -> ReleaseReason:
-        """``"read"`` if every rank released by read, else the first other reason in rank order."""
-        return next((r.reason for r in self.ranks if r.reason != "read"), "read")
-
-    @property
-    def block_ids(self) -> npt.NDArray[np.int32]:
-        """The blocks now free on every rank (sorted; ranks usually share one block table);
-        flat ids (group offset + id) for a multi-group cache, see `groups`."""
-        return np.unique(np.concatenate([r.block_ids for r in self.ranks])).astype(np.int32)
-
-    @property
-    def groups(self) -> dict[str, npt.NDArray[np.int32]] | None:
-        """Multi-group caches: ``{group name: ids}`` now free on every rank (None for one group)."""
-        if self.ranks[0].groups is None:
-            return None
-        names = list(self.ranks[0].groups)
-        return {
-            n: np.unique(np.concatenate([r.groups[n] for r in self.ranks if r.groups])).astype(np.int32)
-            for n in names
-        }
-
-
-class EngineReleases:
-    """The engine-level view of releases, for a scheduler that frees a request's blocks once.
-
-    A [`Producer`][akv.Producer] reports a release per rank: an engine of P ranks gets P
-    [`Release`][akv.Release] records per exposed request, one from each rank. This collects
-    them and reports an [`EngineRelease`][akv.EngineRelease] once, when the last of the
-    engine's ``tp_size`` ranks has released the request.
-
-    Ranks in this process: pass ``releases.rank(r)`` as rank ``r``'s ``on_release``. Ranks in
-    other processes: forward each rank's releases to this process and call
-    [`add`][akv.EngineReleases.add].
-
-    Args:
-        tp_size: the prefill engine's tensor-parallel size.
-        on_release: called once per request when every rank has released it.
-    """
-
-    def __init__(self, tp_size: int, on_release: Callable[[EngineRelease], None] | None = None) -> None:
-        if tp_size < 1:
-            raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
-        self.tp_size = tp_size
-        self.on_release = on_release
-        self._partial: dict[str, list[Release | None]] = {}
-
-    def rank(self, tp_rank: int) -> Callable[[Release], None]:
-        """An ``on_release`` callback for rank ``tp_rank``'s producer."""
-        self._check_rank(tp_rank)
-
-        def on_release(release: Release) -> None:
-            self.add(tp_rank, release)
-
-        return on_release
-
-    def add(self, tp_rank: int, release: Release) -> EngineRelease | None:
-        """Record the ``release`` of rank ``tp_rank``; returns the engine release (after
-        ``on_release``) once every rank released the request, else None.
-
-        Raises [`ConfigError`][akv.errors.ConfigError] for a rank outside ``[0, tp_size)``
-        or a rank releasing a request twice before every rank did (request ids must be unique
-        among an engine's exposures until they are released).
-        """
-        self._check_rank(tp_rank)
-        slots = self._partial.setdefault(release.request_id, [None] * self.tp_size)
-        if slots[tp_rank] is not None:
-            raise ConfigError(
-                f"rank {tp_rank} released {release.request_id!r} twice before every rank did: "
-                "reuse a request id only once the engine released it"
-            )
-        slots[tp_rank] = release
-        if any(r is None for r in slots):
-            return None
-        del self._partial[release.request_id]
-        done = EngineRelease(release.request_id, tuple(r for r in slots if r is not None))
-        if self.on_release is not None:
-            self.on_release(done)
-        return done
-
-    @property
-    def pending(self) -> int:
-        """Requests released by some ranks of the engine and not yet by all."""
-        return len(self._partial)
-
-    def _check_rank(self, tp_rank: int) -> None:
-        if not 0 <= tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank {tp_rank} is outside [0, {self.tp_size})")

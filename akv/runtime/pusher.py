@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -36,10 +36,14 @@ from akv.protocol.messages import Hello, Notice
 from akv.protocol.push import PushNotice, encode_push
 
 if TYPE_CHECKING:
-    from akv.ledger import Release
-    from akv.runtime.producer import Producer
+    import torch
 
-__all__ = ["FLUSH_S", "MAX_GRANTS", "RETIRED", "Pusher"]
+    from akv.backends import Backend
+    from akv.geometry.cache import CacheSpec
+    from akv.ledger import Release, ReleaseLedger
+    from akv.metrics import Metrics
+
+__all__ = ["FLUSH_S", "MAX_GRANTS", "RETIRED", "PushRank", "Pusher"]
 
 #: Grants (announcements not finished) held at once per decode rank.
 MAX_GRANTS = 4096
@@ -47,6 +51,29 @@ MAX_GRANTS = 4096
 RETIRED = 65536
 #: Seconds the producer keeps progressing its agent after sending a push notice.
 FLUSH_S = 0.5
+
+
+class PushRank(Protocol):
+    """What a `Pusher` reads of the prefill rank it writes for (a [`Producer`][akv.Producer]
+    is one): its agent, cache, ledger and lease. The pusher never calls back into it; releases
+    go out through the ``deliver`` callable it is handed."""
+
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def cache(self) -> CacheSpec: ...
+    @property
+    def kv_caches(self) -> list[torch.Tensor]: ...
+    @property
+    def ledger(self) -> ReleaseLedger: ...
+    @property
+    def lease_s(self) -> float: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -91,7 +118,7 @@ class _Grant:
 class Pusher:
     """Push-mode state of one prefill rank (driven by its Producer's poller)."""
 
-    def __init__(self, producer: Producer, deliver: Callable[[list[Release]], None], log: Any) -> None:
+    def __init__(self, producer: PushRank, deliver: Callable[[list[Release]], None], log: Any) -> None:
         self.producer = producer
         self.deliver = deliver  # hands releases to the producer's listeners
         self.log = log

@@ -1,5 +1,6 @@
 """What a Producer and a Consumer share: one TP rank's validated KV cache, its NIXL agent,
-and the task group that runs its poller, entered and left through one exit stack."""
+and the task group that runs its poller, entered and left through one exit stack; and
+`DecodeRank`, what a decode rank's sessions may read of it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import uuid
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
@@ -25,11 +26,19 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
     from exceptiongroup import BaseExceptionGroup
 
 if TYPE_CHECKING:
+    import ssl
+
+    import numpy as np
+    import numpy.typing as npt
     import torch
 
     from akv.backends import Backend
+    from akv.packing import CacheViews
+    from akv.plan import RankMemory
+    from akv.runtime.paths.packed import StagingPool
+    from akv.runtime.paths.read import CheckPool
 
-__all__ = ["RankBase", "default_engine_id"]
+__all__ = ["DecodeRank", "RankBase", "default_engine_id"]
 
 _PROCESS_TAG = uuid.uuid4().hex[:8]
 
@@ -171,6 +180,108 @@ class RankBase:
 
     def _teardown(self) -> None:
         """Release what the subclass holds (tasks are stopped, the agent still open)."""
+
+
+class DecodeRank(Protocol):
+    """What a session reads of the decode rank it belongs to (a [`Consumer`][akv.Consumer]
+    is one): its settings, its agent and what is registered with it. Sessions read these and
+    ask for two resources (`local_dlist`, `enable_packing`); they never report to it."""
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def tp_rank(self) -> int: ...
+
+    @property
+    def tp_size(self) -> int: ...
+
+    @property
+    def cache(self) -> CacheSpec: ...
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]: ...
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def transfer(self) -> str: ...
+
+    @property
+    def same_process(self) -> str: ...
+
+    @property
+    def verify_exposure(self) -> bool: ...
+
+    @property
+    def secret(self) -> bytes | None: ...
+
+    @property
+    def connect_timeout(self) -> float: ...
+
+    @property
+    def handshake_timeout(self) -> float: ...
+
+    @property
+    def transfer_timeout(self) -> float: ...
+
+    @property
+    def retries(self) -> int: ...
+
+    @property
+    def tls_context(self) -> ssl.SSLContext | None: ...
+
+    @property
+    def copy_inline_bytes(self) -> int: ...
+
+    @property
+    def copy_with(self) -> str: ...
+
+    @property
+    def pack_threshold(self) -> int: ...
+
+    @property
+    def memory(self) -> RankMemory: ...
+
+    @property
+    def mem_type(self) -> str: ...
+
+    @property
+    def agent_epoch(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def checks(self) -> CheckPool: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def staging(self) -> StagingPool | None: ...
+
+    @property
+    def directories(self) -> CheckPool | None: ...
+
+    @property
+    def pack_views(self) -> CacheViews: ...
+
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def backend_or_none(self) -> Backend | None: ...
+
+    @property
+    def agent_metadata(self) -> bytes: ...
+
+    def local_dlist(self, key: Any, table: npt.NDArray[np.int64]) -> Any:
+        """The prepared local list of a plan table (shared by every session)."""
+
+    async def enable_packing(self) -> None:
+        """Set up the staging area of packed reads (once)."""
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -3,14 +3,12 @@
 vLLM builds it once with role SCHEDULER in the engine-core process
 ([`SchedulerHalf`][akv.integrations.vllm.scheduler.SchedulerHalf]) and once per worker
 process ([`WorkerHalf`][akv.integrations.vllm.worker.WorkerHalf]); this class only routes.
-Both halves derive the same [`Identity`][akv.integrations.vllm.connector.Identity] from vLLM's
+Both halves derive the same [`Identity`][akv.integrations.vllm.identity.Identity] from vLLM's
 configuration: the engine id, rank 0's address, the block size.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,8 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from akv.errors import ConfigError
-from akv.integrations.vllm.layout import Content, LayerGroup, content_for_device
-from akv.integrations.vllm.options import ConnectorOptions, parse_options
+from akv.integrations.vllm.identity import Identity
+from akv.integrations.vllm.layout import LayerGroup
 from akv.integrations.vllm.params import ConnectorMeta
 from akv.integrations.vllm.scheduler import SchedulerHalf
 from akv.integrations.vllm.worker import WorkerHalf
@@ -38,61 +36,6 @@ __all__ = ["AkvConnector", "AkvConnectorMetadata", "AkvConnectorStats", "Identit
 
 class AkvConnectorMetadata(ConnectorMeta, KVConnectorMetadata):
     """One step's orders to the workers (see [`ConnectorMeta`][akv.integrations.vllm.params.ConnectorMeta])."""
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """What both halves of one instance agree on, derived from vLLM's configuration."""
-
-    options: ConnectorOptions
-    engine_id: str
-    port: int
-    tp_size: int
-    block_size: int
-    content: Content
-    producer: bool
-    consumer: bool
-
-    @property
-    def bootstrap(self) -> str:
-        """Rank 0's control endpoint as this host reaches it."""
-        o = self.options
-        return f"{o.advertise_host or o.host}:{self.port}"
-
-    @property
-    def address(self) -> str:
-        """The prefill engine's akv address, as decode instances reach it."""
-        o = self.options
-        if o.etcd:
-            return f"etcd://{o.etcd.split(',')[0].strip()}/{self.engine_id}"
-        return self.bootstrap
-
-    @classmethod
-    def of(cls, vllm_config: Any) -> Identity:
-        from vllm.platforms import current_platform
-
-        ktc = vllm_config.kv_transfer_config
-        options = parse_options(ktc.kv_connector_extra_config)
-        role = ktc.kv_role
-        if role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise ConfigError(f"AkvConnector: kv_role {role!r}: use kv_producer, kv_consumer or kv_both")
-        if role != "kv_consumer" and not options.port and not options.etcd:
-            raise ConfigError(
-                "AkvConnector: a prefill instance needs a fixed 'port' (rank 0's control port, which its "
-                "responses name) or 'etcd' in kv_connector_extra_config"
-            )
-        engine_id = options.engine_id or "vllm-" + re.sub(r"[^A-Za-z0-9._-]", "-", str(ktc.engine_id))[:120]
-        pc = vllm_config.parallel_config
-        return cls(
-            options=options,
-            engine_id=engine_id,
-            port=options.port + pc.data_parallel_index if options.port else 0,
-            tp_size=pc.tensor_parallel_size,
-            block_size=vllm_config.cache_config.block_size,
-            content=content_for_device(current_platform.device_type),
-            producer=role in ("kv_producer", "kv_both"),
-            consumer=role in ("kv_consumer", "kv_both"),
-        )
 
 
 def layer_groups(vllm_config: Any, kv_cache_config: Any) -> list[LayerGroup]:
@@ -110,12 +53,18 @@ def layer_groups(vllm_config: Any, kv_cache_config: Any) -> list[LayerGroup]:
         elif kind in ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
             out.append(
                 LayerGroup(
-                    f"g{i}", "sliding" if window else "full", tuple(g.layer_names),
-                    mc.get_total_num_kv_heads(), int(spec.head_size), window,
+                    f"g{i}",
+                    "sliding" if window else "full",
+                    tuple(g.layer_names),
+                    mc.get_total_num_kv_heads(),
+                    int(spec.head_size),
+                    window,
                 )
             )
         else:
-            raise ConfigError(f"AkvConnector: KV-cache group {i} is {kind}: akv moves attention groups (full, sliding, MLA)")
+            raise ConfigError(
+                f"AkvConnector: KV-cache group {i} is {kind}: akv moves attention groups (full, sliding, MLA)"
+            )
     return out
 
 
@@ -162,7 +111,9 @@ class AkvConnectorStats(KVConnectorStats):
 class AkvPromMetrics(KVConnectorPromMetrics):
     """akv's figures in vLLM's Prometheus output (``vllm:akv_*``)."""
 
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any):
+    def __init__(
+        self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         histogram: Any = self._histogram_cls
         counter: Any = self._counter_cls
@@ -173,7 +124,9 @@ class AkvPromMetrics(KVConnectorPromMetrics):
             labelnames=labelnames,
         )
         self._bytes: Any = counter(
-            name="vllm:akv_pull_bytes", documentation="Bytes akv pulled into this instance.", labelnames=labelnames
+            name="vllm:akv_pull_bytes",
+            documentation="Bytes akv pulled into this instance.",
+            labelnames=labelnames,
         )
         self._failed: Any = counter(
             name="vllm:akv_pulls_failed",
@@ -216,8 +169,10 @@ class AkvConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = WorkerHalf(
-                self.ident, layer_groups(vllm_config, kv_cache_config),
-                get_tensor_model_parallel_rank(), self.ident.tp_size,
+                self.ident,
+                layer_groups(vllm_config, kv_cache_config),
+                get_tensor_model_parallel_rank(),
+                self.ident.tp_size,
             )
 
     # class-level hooks -------------------------------------------------------------------
@@ -260,7 +215,9 @@ class AkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         m = self._sched().build_meta(scheduler_output)
-        return AkvConnectorMetadata(expose=m.expose, expose_late=m.expose_late, withdraw=m.withdraw, pull=m.pull)
+        return AkvConnectorMetadata(
+            expose=m.expose, expose_late=m.expose_late, withdraw=m.withdraw, pull=m.pull
+        )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
@@ -301,7 +258,9 @@ class AkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, received, failed = self._work().out.take()
-        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received, failed_recving=failed
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

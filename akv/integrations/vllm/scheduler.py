@@ -25,7 +25,7 @@ from akv.errors import ConfigError
 from akv.integrations.vllm.params import ConnectorMeta, ExposeJob, PullJob, RemoteKV, groups_of, strip_null
 
 if TYPE_CHECKING:
-    from akv.integrations.vllm.connector import Identity
+    from akv.integrations.vllm.identity import Identity
 
 __all__ = ["SchedulerHalf"]
 

@@ -1,0 +1,208 @@
+"""Finding a prefill engine's ranks and handshaking with them (one conversation per endpoint).
+
+Owns discovery (the bootstrap rank's list, a rank-list address, etcd), the concurrent
+handshakes, and the identity a session is pinned to: one engine, one incarnation of it. It
+returns what the ranks answered, as values; linking their agents is `akv.runtime.links`'s.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+
+from akv.errors import AkvError, EngineChangedError, HandshakeError, MissingRanksError
+from akv.protocol.address import (
+    BootstrapAddress,
+    Endpoint,
+    EngineAddress,
+    EtcdAddress,
+    RankListAddress,
+    parse_endpoint,
+)
+from akv.protocol.handshake import HandshakeResult
+from akv.protocol.messages import Challenge, Hello, RankInfo
+from akv.runtime.rank import DecodeRank, _leaves
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["EngineFinder"]
+
+
+class EngineFinder:
+    """Finds the ranks of the engine at ``address`` and handshakes with them for ``rank``.
+
+    ``needed`` maps the engine's TP size to the ranks this decode rank needs. ``engine_id``
+    and ``instance`` pin the engine once linked: ranks of another engine, or of a restarted
+    one, are refused with [`EngineChangedError`][akv.errors.EngineChangedError].
+    """
+
+    def __init__(self, rank: DecodeRank, address: EngineAddress, needed: Callable[[int], set[int]]) -> None:
+        self.rank = rank
+        self.address = address
+        self.needed = needed
+        self.engine_id = ""  # set by whoever links the ranks found
+        self.instance = ""  # the engine's incarnation (Challenge.instance_id), once known
+        self._registry: Any = None  # an EtcdRegistry for etcd:// addresses
+
+    def hello(self) -> Hello:
+        """This decode rank's Hello (push mode: with its agent and regions, for the writers)."""
+        c = self.rank
+        hello = Hello(
+            engine_id=c.engine_id,
+            tp_rank=c.tp_rank,
+            tp_size=c.tp_size,
+            spec=c.cache,
+            compat=c.cache.compat_hash(),
+            nonce=secrets.token_bytes(16),
+            agent_name=c.backend.name,
+        )
+        if c.mode == "push":  # the prefill ranks WRITE: they need our agent and regions
+            hello = msgspec.structs.replace(
+                hello,
+                mode="push",
+                agent_metadata=c.agent_metadata,
+                region_addrs=list(c.memory.region_addrs),
+                mem_type=c.mem_type,
+                device_id=c.memory.device_id,
+            )
+        return hello
+
+    async def _handshake_with(
+        self, endpoint: Endpoint, choose: Callable[[Challenge], Sequence[int]]
+    ) -> HandshakeResult:
+        from akv.runtime.control import client_handshake
+
+        c = self.rank
+        return await client_handshake(
+            endpoint,
+            self.hello(),
+            secret=c.secret,
+            choose_ranks=choose,
+            connect_timeout=c.connect_timeout,
+            handshake_timeout=c.handshake_timeout,
+            retries=c.retries,
+            tls=c.tls_context,
+        )
+
+    async def fetch(self, ranks: set[int] | None) -> tuple[Challenge, dict[int, RankInfo]]:
+        """Find the endpoints of ``ranks`` (None: every rank needed) and handshake with them."""
+        addr = self.address
+        infos: dict[int, RankInfo] = {}
+        challenges: list[Challenge] = []
+        if isinstance(addr, BootstrapAddress):
+            tp, endpoints, first = await self._from_bootstrap(addr.endpoint, ranks)
+            challenges.append(first.challenge)
+            infos.update(first.ranks)
+        elif isinstance(addr, RankListAddress):
+            tp = len(addr.endpoints)
+            endpoints = {r: addr.endpoints[r] for r in (ranks if ranks is not None else self.needed(tp))}
+        else:
+            tp, endpoints = await self._from_etcd(addr, ranks)
+        by_endpoint: dict[Endpoint, list[int]] = {}
+        for rank, ep in endpoints.items():
+            if rank not in infos:
+                by_endpoint.setdefault(ep, []).append(rank)
+        results: list[HandshakeResult] = []
+
+        async def one(ep: Endpoint, wanted: list[int]) -> None:
+            results.append(await self._handshake_with(ep, lambda ch: sorted(wanted)))
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for ep, wanted in by_endpoint.items():
+                    tg.start_soon(one, ep, wanted)
+        except BaseExceptionGroup as group:
+            leaves = _leaves(group)
+            if all(isinstance(e, AkvError) for e in leaves):
+                raise leaves[0] from None  # a typed HandshakeError, as documented, not a group
+            raise
+        for res in results:
+            challenges.append(res.challenge)
+            infos.update(res.ranks)
+        for ch in challenges:
+            if ch.tp_size != tp or ch.engine_id != challenges[0].engine_id:
+                raise HandshakeError(
+                    f"the ranks at {addr} are not one engine: {ch.engine_id!r} of TP size {ch.tp_size} "
+                    f"answered where {challenges[0].engine_id!r} of TP size {tp} was expected"
+                )
+        self._check_same_engine(challenges)
+        return challenges[0], infos
+
+    def _check_same_engine(self, challenges: list[Challenge]) -> None:
+        """Refuse (before adopting any metadata) ranks of another engine, or of another
+        incarnation of it, than the one this session linked to first."""
+        ids = sorted({ch.instance_id for ch in challenges if ch.instance_id})
+        engine = challenges[0].engine_id
+        if len(ids) > 1:
+            raise HandshakeError(f"the ranks at {self.address} are not one engine: instances {ids}")
+        if self.engine_id and engine != self.engine_id:
+            raise EngineChangedError(
+                f"engine {engine!r} now answers at {self.address}, where this session linked to "
+                f"{self.engine_id!r}: connect again for a session to it",
+                "engine_id",
+            )
+        if self.instance and ids and ids[0] != self.instance:
+            raise EngineChangedError(
+                f"engine {engine!r} at {self.address} was restarted (instance {ids[0]}, this session "
+                f"linked to instance {self.instance}): connect again for a session to it",
+                "instance_id",
+            )
+        if ids:
+            self.instance = ids[0]
+
+    async def _from_bootstrap(
+        self, bootstrap: Endpoint, ranks: set[int] | None
+    ) -> tuple[int, dict[int, Endpoint], HandshakeResult]:
+        """Ask rank 0 for the engine's rank endpoints (waiting for ranks not registered yet);
+        metadata of the needed ranks it serves itself comes in the same conversation."""
+        deadline = time.monotonic() + self.rank.handshake_timeout
+        delay = 0.05
+        while True:
+            need: set[int] = set()
+
+            def choose(ch: Challenge, need: set[int] = need) -> list[int]:
+                need.update(ranks if ranks is not None else self.needed(ch.tp_size))
+                return sorted(r for r in need if r in ch.ranks)
+
+            first = await self._handshake_with(bootstrap, choose)
+            ch = first.challenge
+            listed = ch.endpoints or [str(bootstrap)] * ch.tp_size
+            missing = sorted(r for r in need if r not in first.ranks and not listed[r])
+            if not missing:
+                endpoints = {r: parse_endpoint(listed[r]) for r in need if r not in first.ranks}
+                return ch.tp_size, endpoints, first
+            if time.monotonic() + delay > deadline:
+                raise MissingRanksError(
+                    f"prefill ranks {missing} of engine {ch.engine_id!r} have not registered with its "
+                    f"bootstrap {bootstrap} within {self.rank.handshake_timeout}s: start them with "
+                    f"--bootstrap {bootstrap} (or Producer(bootstrap=...))",
+                    engine_id=ch.engine_id,
+                    missing=tuple(missing),
+                )
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _from_etcd(self, addr: EtcdAddress, ranks: set[int] | None) -> tuple[int, dict[int, Endpoint]]:
+        from akv.runtime.discovery import EtcdRegistry
+
+        if self._registry is None:
+            self._registry = EtcdRegistry(addr.etcd)
+        timeout = self.rank.handshake_timeout
+        try:  # resolution is rare: hold no HTTP connection between resolutions
+            records = await self._registry.resolve(addr.engine_id, need=ranks, timeout=timeout)
+            tp = next(iter(records.values())).tp_size
+            need = ranks if ranks is not None else self.needed(tp)
+            if not need <= records.keys():
+                records = await self._registry.resolve(
+                    addr.engine_id, need=need, tp_size_hint=tp, timeout=timeout
+                )
+        finally:
+            await self._registry.aclose()
+        return tp, {r: records[r].endpoint for r in need}

@@ -1,0 +1,448 @@
+"""The decode rank's poller: drives every pull in flight to its one outcome.
+
+Owns the pulls between launch and settlement: it polls each one's path op, completes it
+(sending its "done" notices through the session that launched it), fails it, and settles a
+failed pull only once nothing it started can still write into its blocks (reads NIXL still
+reports, push writers not confirmed stopped). It knows a pull's session only through
+`akv.runtime.transfer.PullOwner`, and the consumer only through what the consumer hands in:
+a getter of the current agent and the coroutine that replaces a stuck agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Collection
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from akv.backends import Reaper
+from akv.errors import (
+    AkvError,
+    BackendError,
+    ClosedError,
+    PeerLostError,
+    ProtocolError,
+    TransferTimeout,
+    UnsafeReadError,
+)
+from akv.protocol.push import decode_push
+from akv.runtime.paths import Failed, Pending
+from akv.runtime.paths.push import PushOp
+from akv.runtime.paths.read import CheckPool, flush_after_notice
+from akv.runtime.transfer import PullOwner, Transfer
+from akv.tracker import TransferTracker
+
+if TYPE_CHECKING:
+    from akv._poll import Backoff
+    from akv.backends import Backend
+    from akv.metrics import Metrics
+
+__all__ = ["FLUSH_S", "PUSH_POLL_S", "REAP_EVERY_S", "REAP_S", "PullPoller"]
+
+#: Seconds the poller keeps progressing the agent after standalone notices were sent.
+FLUSH_S = 0.5
+#: Longest sleep of the poller while push pulls are in flight.
+PUSH_POLL_S = 0.0005
+#: Seconds after a timed-out pull during which the idle poller still progresses the agent
+#: (every REAP_EVERY_S), so UCX frees the operations to a hung peer once it dies or resumes.
+REAP_S, REAP_EVERY_S = 120.0, 0.25
+
+
+class PullPoller:
+    """Every pull of one decode rank from launch to settlement (see the module text).
+
+    Args:
+        agent: returns the rank's agent now (it changes when the agent is replaced).
+        mode: the rank's mode, ``"pull"`` or ``"push"``.
+        checks: the exposure-check pool (notices are flushed behind with one of its slots).
+        metrics, log, backoff: the rank's.
+        settle_timeout: seconds reads NIXL cannot cancel may hold a failed pull before
+            ``replace_agent`` is awaited (None: this rank may not replace its agent).
+        stop_grace_s: push mode: seconds writers have to confirm a stop.
+    """
+
+    def __init__(
+        self,
+        *,
+        agent: Callable[[], Backend],
+        mode: str,
+        checks: CheckPool,
+        metrics: Metrics,
+        log: Any,
+        backoff: Backoff,
+        settle_timeout: float,
+        stop_grace_s: float,
+        replace_agent: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        self._agent = agent
+        self.mode = mode
+        self.checks = checks
+        self.metrics = metrics
+        self.log = log
+        self._backoff = backoff
+        self.settle_timeout = settle_timeout
+        self.stop_grace_s = stop_grace_s
+        self._replace_agent = replace_agent
+        self.closed = False
+        self._grants: dict[int, Transfer] = {}  # push: grant id -> its pull, until settled
+        self._stopping: dict[Transfer, tuple[AkvError, float]] = {}  # failed pushes, writers not stopped yet
+        self._tracker = TransferTracker()
+        self._reaper: Reaper | None = None
+        self._flush_until = 0.0
+        self._reap_until = 0.0
+        # prefill ranks sent notices since the poller last flushed behind them
+        self._unflushed: set[tuple[PullOwner, int]] = set()
+        self._settling: dict[Transfer, AkvError] = {}  # failed pulls whose reads may still land
+        self._resetting: anyio.Event | None = None  # set while the agent is being replaced
+        self._retry_reset_at = 0.0
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def start(self, *, may_replace: bool) -> None:
+        """Begin with the current agent (before the first pull); ``may_replace``: False for an
+        agent the rank did not create (it is never replaced)."""
+        self._reaper = Reaper(self._agent())
+        if not may_replace:
+            self._replace_agent = None
+
+    def adopt(self, backend: Backend) -> Reaper:
+        """The agent was replaced by ``backend``: hold its transfers from now on; returns the
+        old agent's reaper (whose handles die with the old agent)."""
+        old, self._reaper = self.reaper, Reaper(backend)
+        return old
+
+    def fail_all(self, error: AkvError) -> None:
+        """Fail every pull tracked."""
+        for _state, transfer in list(self._tracker):
+            self.fail(transfer, error)
+
+    def quarantined(self) -> set[Transfer]:
+        """The failed pulls whose reads may still land (until the agent is gone)."""
+        return set(self._settling)
+
+    def lingering(self, now: float) -> bool:
+        """True while notices are still to leave, or operations to a lost peer to be retired."""
+        return now < self._reap_until or now < self._flush_until
+
+    def close(self, backend: Backend | None) -> None:
+        """The rank closes (its tasks stopped, its agent ``backend`` still open): settle
+        everything. Push writers not confirmed yet are cut when the agent closes; failed pulls
+        whose reads may still land settle only once ``backend`` is closed here."""
+        self.closed = True
+        for transfer, (error, _) in list(self._stopping.items()):
+            self.metrics.inc("push_stops_unconfirmed")
+            transfer.finish(error)
+        self._stopping.clear()
+        self._grants.clear()
+        if (self._settling or (self._reaper is not None and len(self._reaper))) and backend is not None:
+            backend.close()  # nothing of the failed pulls can land once the agent is destroyed
+            if self._reaper is not None:
+                self._reaper.abandon()  # drops their handles: the agent goes with the last one
+        self.finish_settled(everything=True)
+
+    async def stop_pushes(self) -> None:
+        """Closing: fail the push pulls in flight and wait (up to ``stop_grace_s``) until
+        their writers stopped, while the poller still runs."""
+        with anyio.CancelScope(shield=True):
+            self.fail_all(ClosedError("the consumer was closed"))
+            with anyio.move_on_after(self.stop_grace_s + 1):
+                await self.settled()
+
+    # -- what sessions use ------------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        """Pulls launched and not yet settled."""
+        return len(self._tracker)
+
+    @property
+    def reaper(self) -> Reaper:
+        """Releases transfer handles, now or once NIXL can (valid while the rank runs)."""
+        if self._reaper is None:
+            raise ClosedError("the consumer is not running")
+        return self._reaper
+
+    def new_grant(self) -> int:
+        """A fresh push grant id (random, never 0, not in use)."""
+        while True:
+            grant = secrets.randbits(62) + 1
+            if grant not in self._grants:
+                return grant
+
+    def track(self, transfer: Transfer) -> None:
+        """Take a launched pull (polled once right away: shared-memory reads are often done
+        by the time they are posted)."""
+        self._tracker.add(transfer.state, transfer)
+        if isinstance(transfer.op, PushOp):
+            self._grants[transfer.op.grant] = transfer
+        self._check(transfer, time.monotonic())
+        if self._unflushed:  # it finished at once: flush before the caller's next pull
+            self._flush_noticed()
+        if not transfer.done():
+            self._backoff.wake()
+
+    def reap(self) -> None:
+        """A peer was lost or hung: keep progressing the agent for a while (see REAP_S)."""
+        self._reap_until = time.monotonic() + REAP_S
+        self._backoff.wake()
+
+    def flush_notices(self) -> None:
+        """Standalone notices leave only while the agent progresses: keep at it briefly."""
+        self._flush_until = time.monotonic() + FLUSH_S
+        self._backoff.wake()
+
+    def noticed(self, owner: PullOwner, ranks: Collection[int]) -> None:
+        """Notices went to these prefill ranks over NIXL: the poller flushes behind them at the
+        end of its round, one background READ per rank however many notices it got (see
+        `akv.runtime.paths.read.flush_after_notice`)."""
+        self._unflushed.update((owner, rank) for rank in ranks)
+        self._backoff.wake()
+
+    def pump(self) -> None:
+        """Push mode: progress the agent now (a notice just queued goes out), dispatching
+        what arrived."""
+        try:
+            self._drain()
+        except BackendError as exc:  # pragma: no cover - defensive: the poller tries again
+            self.log.warning("draining notifications failed", error=str(exc))
+
+    def fail(self, transfer: Transfer, error: AkvError) -> None:
+        """Fail a pull: stop its transfer and settle it with ``error`` once nothing it started
+        can still write into its blocks: at once, unless NIXL still reports reads running (see
+        ``settle_timeout``) or push writers have not confirmed they stopped (see
+        ``stop_grace_s`` and `_settle_pushes`)."""
+        if transfer in self._settling:
+            return
+        transfer.op.abort()
+        was_done = transfer.done() or transfer.state.finished
+        transfer.state.fail()
+        self._tracker.discard(transfer.state)
+        transfer.session.transfers.discard(transfer)
+        if isinstance(error, (TransferTimeout, PeerLostError)):
+            # Operations to a hung or lost peer stay pending in UCX (releasing a handle does not
+            # cancel them) until the peer dies or resumes *and* this agent progresses: keep reaping.
+            self.reap()
+        if not was_done:
+            self.metrics.inc(
+                "transfers_timed_out" if isinstance(error, TransferTimeout) else "transfers_failed"
+            )
+            self.log.info("transfer failed", request=transfer.request_id, error=str(error))
+        if not was_done and self._reaper is not None and self._reaper.holds(transfer.op):
+            self._settling[transfer] = error  # settled by the poller (see settle_timeout)
+            self._backoff.wake()
+            return
+        if isinstance(transfer.op, PushOp) and not transfer.op.settled:
+            if transfer not in self._stopping:
+                self._stopping[transfer] = (error, time.monotonic() + self.stop_grace_s)
+            self._backoff.wake()
+            return
+        self._forget_grant(transfer)
+        transfer.finish(error)
+
+    async def settle(self, op: object) -> None:
+        """Wait until nothing ``op`` started can still land (bounded by ``settle_timeout``
+        and an agent reset, for an agent this rank created)."""
+        while not self.closed:
+            if self._resetting is not None:  # the old agent is being destroyed
+                await self._resetting.wait()
+            elif self._reaper is not None and self._reaper.holds(op):
+                self._backoff.wake()
+                await anyio.sleep(0.005)
+            else:
+                return
+
+    async def settled(self, owner: PullOwner | None = None) -> None:
+        """Wait until the failed pulls (of ``owner``, or all) have settled: nothing of their
+        reads can still land (see ``settle_timeout``), and every push writer confirmed it
+        stopped, or was cut off (see ``stop_grace_s``)."""
+        while waiting := [
+            t for t in (*self._stopping, *self._settling) if owner is None or t.session is owner
+        ]:
+            running = [t for t in waiting if not t.done()]
+            if not running:  # reported, not forgotten yet: look again shortly
+                await anyio.sleep(0.005)
+                continue
+            with contextlib.suppress(AkvError):
+                await running[0].wait()
+
+    def finish_settled(self, everything: bool = False, among: Collection[Transfer] | None = None) -> None:
+        """Report the failed pulls nothing of which can land any more (``everything``: all of
+        them, or all ``among`` these, whose agent is gone)."""
+        reaper = self._reaper
+        for transfer, error in list(self._settling.items()):
+            if among is not None and transfer not in among:
+                continue
+            if everything or reaper is None or not reaper.holds(transfer.op):
+                del self._settling[transfer]
+                transfer.finish(error)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _flush_noticed(self) -> None:
+        """One background READ behind the notices to each rank noticed (see
+        `PullOwner.flush_check` for the ranks that get none)."""
+        unflushed, self._unflushed = self._unflushed, set()
+        for owner, rank in unflushed:
+            check = None if owner.closed else owner.flush_check(rank)
+            if check is not None:
+                flush_after_notice(self._agent(), self.reaper, self.checks, check)
+
+    def _forget_grant(self, transfer: Transfer) -> None:
+        if isinstance(transfer.op, PushOp) and self._grants.get(transfer.op.grant) is transfer:
+            del self._grants[transfer.op.grant]
+
+    def _settle_pushes(self, now: float) -> None:
+        """Settle failed push pulls whose writers all stopped; past the grace period, remove
+        the agents of writers that did not confirm (they can no longer reach this rank through
+        them) and settle anyway."""
+        for transfer, (error, deadline) in list(self._stopping.items()):
+            op = transfer.op
+            if isinstance(op, PushOp) and not op.settled:
+                if now < deadline:
+                    continue
+                silent = op.unconfirmed
+                self.metrics.inc("push_stops_unconfirmed")
+                self.log.warning(
+                    "push writers did not confirm they stopped: their agents are removed",
+                    request=transfer.request_id,
+                    prefill_ranks=silent,
+                )
+                transfer.session.invalidate(silent)
+            del self._stopping[transfer]
+            self._forget_grant(transfer)
+            transfer.finish(error)
+
+    def _drain(self) -> bool:
+        """Push mode: take the writers' notices, each to the pull it is bound to; anything
+        else (late, unknown, repeated, from another agent) is dropped and counted."""
+        notifs = self._agent().notifications()
+        for agent, messages in notifs.items():
+            for raw in messages:
+                try:
+                    notice = decode_push(raw)
+                except ProtocolError:
+                    self.metrics.inc("push_notices_dropped")
+                    continue
+                transfer = self._grants.get(notice.grant)
+                op = transfer.op if transfer is not None else None
+                if not isinstance(op, PushOp) or not op.on_notice(agent, notice):
+                    self.metrics.inc("push_notices_dropped")
+        return bool(notifs)
+
+    def _complete(self, transfer: Transfer) -> None:
+        session = transfer.session
+        self._tracker.discard(transfer.state)
+        session.transfers.discard(transfer)
+        self._forget_grant(transfer)
+        # Reads carry their own notification; the other ranks (all, if nothing was read) get one now.
+        if transfer.notify:
+            session.notify(transfer.notify, transfer.notice)
+        transfer.finish()
+        result = transfer.result()
+        self.metrics.inc("transfers")
+        self.metrics.observe_transfer(result.bytes, result.descriptors, result.seconds)
+
+    def _check(self, transfer: Transfer, now: float) -> bool:
+        """Poll one transfer; True if anything changed."""
+        state = transfer.state
+        if state.finished:
+            return False
+        outcome = transfer.op.poll()
+        notified = transfer.op.take_notified()
+        if notified:
+            transfer.notified = True
+            self.noticed(transfer.session, notified)
+        if outcome is None:
+            self._complete(transfer)
+            return True
+        if isinstance(outcome, Failed):
+            if isinstance(outcome.error, UnsafeReadError):
+                self.metrics.inc("unsafe_reads")
+            transfer.session.mark_broken(outcome.error, outcome.rank)
+            self.fail(transfer, outcome.error)
+            if outcome.notify:
+                transfer.session.notify(outcome.notify, transfer.notice)
+            return True
+        if state.timed_out(now):
+            self.fail(
+                transfer,
+                TransferTimeout(
+                    f"transfer {transfer.request_id!r} from {transfer.session.endpoint} did not finish "
+                    f"within {state.timeout_s:.1f}s (hung peer?)"
+                ),
+            )
+            return True
+        if state.heartbeat_due(now):
+            transfer.session.extend([transfer.request_id])
+        return isinstance(outcome, Pending) and outcome.changed
+
+    async def _reset_agent(self) -> None:
+        """Reads NIXL cannot cancel outlived ``settle_timeout``: have the agent replaced
+        (settling waits until it is)."""
+        assert self._replace_agent is not None
+        self._resetting = resetting = anyio.Event()
+        try:
+            await self._replace_agent()
+        finally:
+            self._resetting = None
+            resetting.set()
+
+    async def run(self) -> None:
+        """The poller's loop (a task of the rank's task group)."""
+        backoff = self._backoff
+        while True:
+            now = time.monotonic()
+            progressed = False
+            pushing = self.mode == "push"
+            if pushing:
+                try:
+                    progressed |= self._drain()
+                except BackendError as exc:  # pragma: no cover - defensive: keep polling
+                    self.log.warning("draining notifications failed", error=str(exc))
+            for _state, transfer in self._tracker:
+                try:
+                    progressed |= self._check(transfer, now)
+                except BackendError as exc:  # pragma: no cover - defensive: keep polling
+                    self.fail(transfer, exc)
+            if self._unflushed:
+                self._flush_noticed()
+            if self._stopping:
+                self._settle_pushes(now)
+            reaper = self.reaper
+            if len(reaper) or reaper.background:
+                reaper.retry()
+            if self._settling:
+                self.finish_settled()
+            oldest = reaper.oldest()
+            if (
+                self._replace_agent is not None
+                and oldest is not None
+                and now - oldest > self.settle_timeout
+                and now >= self._retry_reset_at
+            ):
+                try:
+                    await self._reset_agent()
+                except AkvError as exc:  # no new agent: the failed pulls stay quarantined
+                    self._retry_reset_at = now + self.settle_timeout
+                    self.log.error("replacing the NIXL agent failed; trying again later", error=str(exc))
+                continue
+            if progressed:
+                backoff.progressed()
+            flushing = now < self._flush_until
+            reaping = now < self._reap_until
+            if (flushing or reaping) and not pushing:
+                try:
+                    self._agent().progress()
+                except BackendError as exc:  # pragma: no cover - defensive: keep polling
+                    self.log.warning("progressing the agent failed", error=str(exc))
+            if len(self._tracker) or flushing or self._settling or self._stopping:
+                # push: the writers' notices are the completion; look for them often
+                await backoff.wait(busy=True, limit=PUSH_POLL_S if pushing and self._grants else None)
+            else:
+                # background reads: released within REAP_EVERY_S of their end
+                limit = 0.01 if len(reaper) else REAP_EVERY_S if reaping or reaper.background else math.inf
+                await backoff.wait(busy=False, limit=limit)
