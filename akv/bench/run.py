@@ -1238,13 +1238,13 @@ def add_bench_parser(sub: Any) -> None:
         help="run each workload with direct reads, packed copies (the prefill packs every "
         "request) or auto's choice per pull (default: %(default)s)",
     )
-    from akv.cli.args import add_mode_flags
+    from akv.options import add_mode_flags
 
     add_mode_flags(p, layers=True)
 
     def run(a: argparse.Namespace) -> int:
-        from akv.cli.args import check, check_mode, device_of, use_gpu_environment
         from akv.errors import ConfigError
+        from akv.options import check, check_mode, device_of, use_gpu_environment
         from akv.testing import ProgressBar
 
         check_mode(a)
