@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engines_parser(sub)
 
-    from akv.bench.run import add_bench_parser
+    from akv.bench.command import add_bench_parser
 
     add_bench_parser(sub)
     return parser
