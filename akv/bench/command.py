@@ -7,12 +7,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from typing import Any
 
+from akv.bench.figures import PROGRAMS
+from akv.bench.workloads import WORKLOADS
 from akv.options import add_mode_flags, check, check_mode, device_of, use_gpu_environment
 
 __all__ = ["add_bench_parser"]
+
+#: ``--only`` names beside the standard workloads that run only when named.
+NAMED_ONLY = ("same_process", *PROGRAMS)
+
+
+def _epilog() -> str:
+    """The names ``--only`` takes, for ``--help``."""
+    names = ", ".join(w.name for w in WORKLOADS)
+    lines = [
+        textwrap.fill(f"workloads for --only: {names}; same_process; layerwise (with --mode push).", 79),
+        "",
+        textwrap.fill(
+            "figure programs, run only when named with --only NAME (DRAM; they take neither "
+            "--quick, --device nor --mode; the docs quote their figures):",
+            79,
+        ),
+    ]
+    width = max(len(n) for n in PROGRAMS)
+    lines += [f"  {name.ljust(width)}  {what}" for name, what in PROGRAMS.items()]
+    return "\n".join(lines)
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -22,6 +45,8 @@ def add_bench_parser(sub: Any) -> None:
         help="benchmarks: akv vs hand-written NIXL, per-block, memcpy",
         description="akv against a hand-written NIXL loop, the per-block scheme and memcpy on the same "
         "reads, plus poller and table-preparation figures (docs/performance.md).",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--quick",
@@ -58,8 +83,8 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument(
         "--only",
         metavar="NAME[,NAME...]",
-        help="run just these workloads (layerwise: with --mode push), and no same-process, poller "
-        "or table figures",
+        help="run just these workloads (layerwise: with --mode push) or figure programs (listed "
+        "below), and no same-process, poller or table figures unless named",
     )
     p.add_argument(
         "--transfer",
@@ -75,18 +100,23 @@ def add_bench_parser(sub: Any) -> None:
 
         from akv.bench.report import check_plot, plot, print_table
         from akv.bench.run import run_bench
-        from akv.bench.workloads import WORKLOADS, config_name, preset_workloads
+        from akv.bench.workloads import config_name, preset_workloads
         from akv.errors import ConfigError
-        from akv.testing import ProgressBar
+        from akv.testing import ProgressBar, etcd_binary
 
         check_mode(a)
         only = [n for n in (a.only or "").split(",") if n]
-        known = {w.name for w in WORKLOADS} | {"layerwise"}
+        known = {w.name for w in WORKLOADS} | {"layerwise", *NAMED_ONLY}
         check(
             bool(a.preset or a.hf_config) or all(n in known for n in only),
             f"--only {a.only}: unknown workloads {sorted(set(only) - known)} (known: {', '.join(sorted(known))})",
         )
         check(a.mode == "push" or "layerwise" not in only, "--only layerwise needs --mode push")
+        check(
+            "etcd" not in only or etcd_binary() is not None,
+            "--only etcd needs an etcd binary: bash scripts/setup.sh installs Debian's etcd-server "
+            "(or set AKV_ETCD)",
+        )
         device = device_of(a)  # a one-line error (exit 64) without a usable GPU
         use_gpu_environment(device)
         if a.plot:
@@ -100,9 +130,15 @@ def add_bench_parser(sub: Any) -> None:
             count = len(preset_workloads(config_name(a.hf_config), a.hf_config)[0])
         else:
             count = len(WORKLOADS) if not a.preset else len(preset_workloads(a.preset)[0])
+        singles = len({n for n in only if n in NAMED_ONLY})  # one step each
         if only:
-            count = len([n for n in only if n != "layerwise"])
-        steps = 2 * count + (0 if only else 3) + (a.mode == "push" and (not only or "layerwise" in only))
+            count = len([n for n in only if n != "layerwise" and n not in NAMED_ONLY])
+        steps = (
+            2 * count
+            + singles
+            + (0 if only else 3)
+            + (a.mode == "push" and (not only or "layerwise" in only))
+        )
         bar = ProgressBar(tty, label="bench", width=24)
         done = [0]
 

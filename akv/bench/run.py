@@ -6,7 +6,8 @@ it in this (decode) process with every method (`akv.bench.methods`), interleaved
 (`akv.bench.measure`); the poller and table figures (`akv.bench.overhead`) follow. The
 summary (`akv.bench.report`) compares head-major with HND on the same reads and akv with
 the hand-written loop; it reports figures and checks nothing. The command's flags are in
-`akv.bench.command`.
+`akv.bench.command`; the figure programs that run only when named (``--only NAME``) in
+`akv.bench.figures`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from akv.bench.figures import PROGRAMS, run_program
 from akv.bench.measure import bench_workload, same_process
 from akv.bench.overhead import poller_figures, table_prep_fresh
 from akv.bench.report import comparisons, row
@@ -42,8 +44,9 @@ async def run_bench(
     the poller and table figures; returns the JSON summary. ``device``: cpu, cuda or cuda:N
     (the caches of both sides of each pairing there). ``mode`` "push": akv in push mode beside
     every workload, and the ``layerwise`` workload (``layer_ms`` of computing per layer).
-    ``only``: just these workloads (``layerwise`` among them), no other figures.
-    ``transfer``: the decode side's choice of copy (the prefill packs unless it is
+    ``only``: just these workloads (``layerwise`` and ``same_process`` among them), and the
+    figure programs named there (`akv.bench.figures.PROGRAMS`, run only when named), no
+    other figures. ``transfer``: the decode side's choice of copy (the prefill packs unless it is
     ``"direct"``)."""
     layers = 8 if quick else 16
     if hf_config:
@@ -63,8 +66,14 @@ async def run_bench(
 
         lw.append(await layerwise(layers, layer_ms or 5.0, progress, rounds=4 if quick else 8))
     if only:
+        named: list[dict[str, Any]] = []
+        if "same_process" in only:
+            named.append(await same_process(layers, device, progress))
+        for name in dict.fromkeys(n for n in only if n in PROGRAMS):  # in the order given, once
+            progress(name)
+            named.extend(await run_program(name, transfer))
         return {
-            "workloads": [*(row(f) for f in figures), *lw],
+            "workloads": [*(row(f) for f in figures), *named, *lw],
             "comparisons": comparisons(figures, pairs),
             "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
             "device": device,
