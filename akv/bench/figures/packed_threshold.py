@@ -36,24 +36,16 @@ async def case(layout: str, blocks: int) -> dict[str, Any]:
         server = akv.ControlServer()
         endpoint = await tg.start(server.serve)
         kv = akv.allocate_kv_cache(spec, 0, 1)
+        direct, packed = (
+            akv.Consumer(
+                akv.allocate_kv_cache(spec, 0, 2), spec, tp_rank=0, tp_size=2, same_process="nixl", transfer=t
+            )
+            for t in ("direct", "packed")
+        )
         async with (
             akv.Producer(kv, spec, tp_rank=0, tp_size=1, server=server, transfer="packed") as producer,
-            akv.Consumer(
-                akv.allocate_kv_cache(spec, 0, 2),
-                spec,
-                tp_rank=0,
-                tp_size=2,
-                same_process="nixl",
-                transfer="direct",
-            ) as direct,
-            akv.Consumer(
-                akv.allocate_kv_cache(spec, 0, 2),
-                spec,
-                tp_rank=0,
-                tp_size=2,
-                same_process="nixl",
-                transfer="packed",
-            ) as packed,
+            direct,
+            packed,
         ):
             sessions = {"direct": await direct.connect(endpoint), "packed": await packed.connect(endpoint)}
             ids = list(range(blocks, 2 * blocks))
