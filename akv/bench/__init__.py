@@ -4,7 +4,9 @@ Modules, by job: `akv.bench.workloads` (what each workload reads), `akv.bench.me
 ways of moving a batch that it compares), `akv.bench.measure` (the measuring loops),
 `akv.bench.overhead` (poller and table-preparation figures), `akv.bench.report` (summary
 rows, table, plot), `akv.bench.run` (one run, `run_bench`), `akv.bench.command` (the
-command's flags, `add_bench_parser`), `akv.bench.push` (the ``layerwise`` workload).
+command's flags, `add_bench_parser`), `akv.bench.push` (the ``layerwise`` workload),
+`akv.bench.figures` (the figure programs the docs quote, run only when named with
+``--only NAME``).
 """
 
 from akv.bench.command import add_bench_parser
