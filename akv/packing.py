@@ -218,7 +218,7 @@ def scatter(
 
     ``torch_ops`` None: numpy fancy-index assignments on DRAM (views built once; 2-2.5x
     torch's index copies on these transposes: 11.3 against 4.6 GB/s on NHD,
-    scripts/scatter_bench.py), torch index copies on CUDA (on the current stream); True or
+    ``akv bench --only scatter``), torch index copies on CUDA (on the current stream); True or
     False picks torch or numpy (numpy needs DRAM)."""
     w, spans = views.get(gi, ci)
     gl = views.layout.groups[gi]

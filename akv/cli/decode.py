@@ -18,17 +18,12 @@ from akv.cli.args import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
-    check,
     check_model,
     check_seconds,
-    check_transfer_flags,
-    device_of,
     emit,
-    rank_device,
     report,
     spec_from_args,
     tls_from_args,
-    use_gpu_environment,
 )
 from akv.cli.fanout import (
     ChildFailed,
@@ -47,6 +42,7 @@ from akv.errors import (
     UnsafeReadError,
 )
 from akv.geometry.cache import CacheSpec, as_cache
+from akv.options import check, check_transfer_flags, device_of, rank_device, use_gpu_environment
 from akv.protocol.address import check_engine_id, parse_engine_address
 from akv.runtime.rank import default_engine_id
 from akv.testing import fetch_requests, local_counts, verify_request

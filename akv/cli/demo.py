@@ -18,24 +18,20 @@ from akv.cli.args import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
-    check,
-    check_mode,
     check_model,
     check_seconds,
-    check_transfer_flags,
     described_by,
-    device_of,
     emit,
     model_argv,
     size_pool,
     spec_from_args,
     tls_from_args,
-    use_gpu_environment,
     verbosity_argv,
 )
 from akv.cli.fanout import Interrupted
 from akv.errors import ConfigError, IncompatiblePeerError
 from akv.geometry.cache import as_cache, check_peer
+from akv.options import check, check_mode, check_transfer_flags, device_of, use_gpu_environment
 from akv.testing import EtcdServer, ProgressBar, ajson_lines, etcd_binary
 
 __all__ = ["cmd_demo", "run_demo", "validate"]

@@ -21,11 +21,8 @@ from akv.cli.args import (
     EXIT_PIPE,
     EXIT_USAGE,
     add_common,
-    add_device_flag,
-    add_mode_flags,
     add_model_flags,
     add_tls_flags,
-    add_transfer_flags,
     first_leaf,
     usage_error,
 )
@@ -37,6 +34,7 @@ from akv.cli.plan import cmd_plan
 from akv.cli.prefill import cmd_prefill
 from akv.errors import AkvError
 from akv.geometry.cache import LAYOUTS
+from akv.options import add_device_flag, add_mode_flags, add_transfer_flags
 
 __all__ = ["build_parser", "main"]
 
@@ -292,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engines_parser(sub)
 
-    from akv.bench.run import add_bench_parser
+    from akv.bench.command import add_bench_parser
 
     add_bench_parser(sub)
     return parser

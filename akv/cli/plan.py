@@ -6,9 +6,10 @@ import argparse
 from typing import Any
 
 from akv import sharding
-from akv.cli.args import EXIT_OK, check, described_by, emit
+from akv.cli.args import EXIT_OK, described_by, emit
 from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec, as_cache
+from akv.options import check
 
 __all__ = ["cmd_plan"]
 

@@ -25,20 +25,14 @@ from akv.cli.args import (
     EXIT_EXPIRED,
     EXIT_FAILED,
     EXIT_OK,
-    check,
-    check_mode,
     check_model,
     check_port,
     check_seconds,
-    check_transfer_flags,
-    device_of,
     emit,
-    rank_device,
     report,
     size_pool,
     spec_from_args,
     tls_from_args,
-    use_gpu_environment,
 )
 from akv.cli.fanout import (
     ChildFailed,
@@ -49,6 +43,7 @@ from akv.cli.fanout import (
     rank_processes,
 )
 from akv.errors import ConfigError
+from akv.options import check, check_mode, check_transfer_flags, device_of, rank_device, use_gpu_environment
 from akv.protocol.address import check_engine_id, is_loopback, parse_endpoint, parse_engine_address
 from akv.protocol.handshake import SECRET_ENV, resolve_secret
 from akv.protocol.messages import RequestInfo

@@ -58,7 +58,7 @@ __all__ = [
 
 #: ``transfer="auto"``: a pull whose direct read would post more descriptors than this, of
 #: fewer than `AUTO_RUN_BYTES` bytes on average, reads the packed copy instead (measured with
-#: scripts/packed_threshold.py on DRAM: docs/performance.md#packed-transfers).
+#: ``akv bench --only packed_threshold`` on DRAM: docs/performance.md#packed-transfers).
 AUTO_DESCRIPTORS = 512
 #: ... and the mean run below which descriptors cost more than the packed copy's scatter.
 AUTO_RUN_BYTES = 2048

@@ -68,7 +68,7 @@ def flush_after_notice(backend: Backend, reaper: Reaper, pool: CheckPool, check:
     UCX's ``tcp`` lane) that flush waits for the prefill process to acknowledge, that is for
     the rank's poller to progress its agent next: up to its sleep between polls. Posted right
     behind the notices, this READ's flush is acknowledged when the rank handles them, so the
-    next pull's first READ finds nothing to wait for (scripts/sparse_pulls.py: a small pull
+    next pull's first READ finds nothing to wait for (``akv bench --only sparse_pulls``: a small pull
     every 0.3 s took 12 ms without, 1 ms with). It must follow the last notice (one posted
     before a notice does not help the reads after it). A failure to post only costs that wait."""
     one = np.zeros(1, dtype=np.int32)

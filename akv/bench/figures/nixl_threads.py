@@ -1,13 +1,12 @@
-"""NIXL agent worker threads (``nixl_threads``) against the default, on the decode side.
+"""``akv bench --only nixl_threads``: NIXL agent worker threads (``nixl_threads``) against the
+default, on the decode side.
 
 Pulls the same 8 requests again and again from one ``akv prefill`` process (a ninth stays
-exposed, so the prefill rank polls as it does under load) (HND, 16 layers, 64 fragmented blocks
-of 16 tokens, 8 KV heads of 128, bfloat16: 32 MiB per request) with a decode agent created with
-0, 1 and 2 worker threads, each setting in a process of its own (agents of one process with
-worker threads would take the cores of the others), three times in turn, and prints GB/s per
-setting as one JSON line.
-
-    PYTHONPATH=. .venv/bin/python scripts/threads_figures.py
+exposed, so the prefill rank polls as it does under load): HND, 16 layers, 64 fragmented
+blocks of 16 tokens, 8 KV heads of 128, bfloat16, 64 MiB per request; 6 rounds of 8 pulls
+by a decode agent created with 0, 1 and 2 worker threads, each setting in a process of its
+own (agents of one process with worker threads would take the cores of the others), the
+three in turn, three times. One row per setting: GB/s over its three runs.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 import anyio
 import numpy as np
@@ -23,7 +23,10 @@ import numpy as np
 import akv
 from akv.testing import fetch_requests, spawn_prefill
 
+__all__ = ["SETTINGS", "figures", "measure"]
+
 SETTINGS = (0, 1, 2)
+TURNS = 3
 MODEL = [
     "--kv-heads",
     "8",
@@ -76,21 +79,20 @@ async def measure(n: int) -> tuple[int, float]:
     return moved, spent
 
 
-def main() -> None:
-    if len(sys.argv) > 1:  # one setting, in this process
-        print(json.dumps(anyio.run(measure, int(sys.argv[1]))))
-        return
+def _run(n: int) -> tuple[int, float]:
+    """`measure` in a process of its own."""
+    code = f"import anyio, json; from akv.bench.figures.nixl_threads import measure; print(json.dumps(anyio.run(measure, {n})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    moved, spent = json.loads(out.stdout.strip().splitlines()[-1])
+    return int(moved), float(spent)
+
+
+async def figures(transfer: str = "direct") -> list[dict[str, Any]]:
+    """Every setting, `TURNS` times in turn (``transfer`` is not used)."""
     totals = {n: [0, 0.0] for n in SETTINGS}
-    for _ in range(3):
+    for _ in range(TURNS):
         for n in SETTINGS:
-            out = subprocess.run(
-                [sys.executable, __file__, str(n)], capture_output=True, text=True, check=True
-            )
-            moved, spent = json.loads(out.stdout.strip().splitlines()[-1])
+            moved, spent = await anyio.to_thread.run_sync(_run, n)
             totals[n][0] += moved
             totals[n][1] += spent
-    print(json.dumps({f"nixl_threads_{n}_gbps": round(m / s / 1e9, 3) for n, (m, s) in totals.items()}))
-
-
-if __name__ == "__main__":
-    main()
+    return [{"nixl_threads": n, "gbps": round(m / s / 1e9, 3)} for n, (m, s) in totals.items()]

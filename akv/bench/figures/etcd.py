@@ -1,23 +1,30 @@
-"""Figures for etcd discovery: time from a rank's death (SIGKILL) to its key vanishing, and
-resolution time of an 8-rank engine. Runs its own etcd (Debian's etcd-server) on loopback.
+"""``akv bench --only etcd``: etcd discovery, on an etcd of its own (Debian's etcd-server, or
+``$AKV_ETCD``) on loopback.
 
-    PYTHONPATH=. .venv/bin/python scripts/etcd_figures.py [--kills 3] [--resolves 20]
+* ``"table": "kill_to_gone"`` rows, one per TTL (akv's default, 5 s, and 1 s): seconds from
+  SIGKILL of a registered rank's process until its key is gone, three kills each;
+* one ``"table": "resolve"`` row: median milliseconds to resolve an engine of 8 registered
+  ranks over 20 tries, with a warm client and with a new client each time.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import anyio
 
 from akv.runtime.discovery import DEFAULT_TTL, EtcdRegistry, RankRecord
 from akv.testing import EtcdServer, spawn_registrant
+
+__all__ = ["figures"]
+
+KILLS = 3
+RESOLVES = 20
 
 
 async def death_to_gone(etcd: str, ttl: float, engine: str) -> float:
@@ -57,26 +64,21 @@ async def resolve_times(etcd: str, ranks: int, n: int) -> tuple[list[float], lis
     return warm, cold
 
 
-async def main(a: argparse.Namespace) -> None:
+async def figures(transfer: str = "direct") -> list[dict[str, Any]]:
+    """Both tables (``transfer`` is not used)."""
+    out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d, EtcdServer(d) as etcd:
-        out: dict[str, object] = {}
         for ttl in (DEFAULT_TTL, 1.0):
-            times = [await death_to_gone(etcd.endpoint, ttl, f"kill-{ttl:g}-{i}") for i in range(a.kills)]
-            out[f"kill_to_gone_ttl{ttl:g}_s"] = [round(t, 3) for t in times]
-            print(f"ttl {ttl:g} s: SIGKILL -> key gone {', '.join(f'{t:.2f}' for t in times)} s")
-        warm, cold = await resolve_times(etcd.endpoint, 8, a.resolves)
-        out["resolve8_warm_median_ms"] = round(statistics.median(warm) * 1e3, 3)
-        out["resolve8_cold_median_ms"] = round(statistics.median(cold) * 1e3, 3)
-        print(
-            f"resolve 8 ranks: median {out['resolve8_warm_median_ms']} ms (warm client), "
-            f"{out['resolve8_cold_median_ms']} ms (new client) over {a.resolves}"
+            times = [await death_to_gone(etcd.endpoint, ttl, f"kill-{ttl:g}-{i}") for i in range(KILLS)]
+            out.append({"table": "kill_to_gone", "ttl_s": ttl, "seconds": [round(t, 3) for t in times]})
+        warm, cold = await resolve_times(etcd.endpoint, 8, RESOLVES)
+        out.append(
+            {
+                "table": "resolve",
+                "ranks": 8,
+                "tries": RESOLVES,
+                "warm_median_ms": round(statistics.median(warm) * 1e3, 3),
+                "new_client_median_ms": round(statistics.median(cold) * 1e3, 3),
+            }
         )
-        print(json.dumps(out))
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--kills", type=int, default=3)
-    p.add_argument("--resolves", type=int, default=20)
-    args = p.parse_args()
-    anyio.run(main, args)
+    return out

@@ -1,18 +1,16 @@
-"""The decode side of a packed pull on DRAM: how fast `akv.packing.scatter` writes a staged
-copy into a paged cache.
+"""``akv bench --only scatter``: the decode side of a packed pull on DRAM, how fast
+`akv.packing.scatter` writes a staged copy into a paged cache.
 
 A decode rank of TP 2 (4 of 8 KV heads of 128, bfloat16, 16 layers, blocks of 16 tokens, a
 pool of 128 blocks) receives 8 MiB pulls of 16 fragmented blocks, K and V, from eight staged
 copies in turn (so that no copy stays in the core's cache), on the per-layer NHD and HND
-layouts. Prints per layout the milliseconds per pull and GB/s as JSON lines.
-
-    PYTHONPATH=. .venv/bin/python scripts/scatter_bench.py
+layouts, in one thread. One row per layout: milliseconds per pull and GB/s.
 """
 
 from __future__ import annotations
 
-import json
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,11 +20,13 @@ from akv.geometry.cache import as_cache
 from akv.geometry.layout import rank_layout
 from akv.packing import CacheViews, scatter
 
+__all__ = ["case", "figures"]
+
 ROUNDS = 4
 BLOCKS = 16
 
 
-def case(layout: str) -> dict[str, object]:
+def case(layout: str) -> dict[str, Any]:
     """Mean time of one pull's scatter (both components) on ``layout``."""
     spec = akv.KVSpec.create(
         layers=16, num_blocks=128, block_size=16, kv_heads=8, head_dim=128, dtype="bfloat16", layout=layout
@@ -58,11 +58,7 @@ def case(layout: str) -> dict[str, object]:
     }
 
 
-def main() -> None:
+async def figures(transfer: str = "direct") -> list[dict[str, Any]]:
+    """Both layouts (``transfer`` is not used)."""
     torch.set_num_threads(1)
-    for layout in ("NHD", "HND"):
-        print(json.dumps(case(layout)), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return [case(layout) for layout in ("NHD", "HND")]

@@ -1,31 +1,32 @@
-"""How long a small pull takes when pulls are sparse: the prefill rank's poller sleeps
-between them, as it does on a lightly loaded engine.
+"""``akv bench --only sparse_pulls [--transfer T]``: how long a small pull takes when pulls are
+sparse (the prefill rank's poller sleeps between them, as on a lightly loaded engine).
 
-An `akv prefill` of TP 1 in another process exposes 12 requests of 4 blocks (2 layers, 2 KV
-heads of 16, float16, blocks of 4 tokens: 2 KiB each) and keeps them; one decode rank in
-this process pulls them one at a time, ``--gap`` seconds apart, with ``--transfer``. Prints
-one JSON line: the milliseconds of each pull after the first (launch to verified bytes in
-place), their median and maximum.
-
-    PYTHONPATH=. .venv/bin/python scripts/sparse_pulls.py [--gap 0.3] [--transfer direct]
+An ``akv prefill`` of TP 1 in another process exposes 12 requests of 4 blocks (2 layers, 2
+KV heads of 16, float16, blocks of 4 tokens: 2 KiB each) and keeps them; one decode rank in
+this process pulls them one at a time, 0.3 s apart, with ``--transfer``. One row: the
+milliseconds of each pull after the first (launch to bytes in place), their median and
+maximum.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
+from typing import Any
 
 import anyio
 
 import akv
 from akv.testing import fetch_requests, spawn_prefill, spec_argv
 
+__all__ = ["figures"]
+
 BLOCKS = 4
+GAP = 0.3
 
 
-async def main(gap: float, transfer: str) -> dict[str, object]:
+async def figures(transfer: str = "direct", gap: float = GAP) -> list[dict[str, Any]]:
+    """Pull the 12 requests ``gap`` s apart with ``transfer``; one row."""
     spec = akv.KVSpec.create(layers=2, num_blocks=64, block_size=4, kv_heads=2, head_dim=16, dtype="float16")
     proc, endpoint = spawn_prefill(
         *("--tp-size", "1", "--requests", "12", "--blocks-per-request", str(BLOCKS), "--hold"),
@@ -56,18 +57,12 @@ async def main(gap: float, transfer: str) -> dict[str, object]:
         if proc.stdout is not None:
             proc.stdout.close()
     after = ms[1:]  # the first pull also connects UCX's endpoints
-    return {
-        "transfer": transfer,
-        "gap_s": gap,
-        "pull_ms": [round(x, 2) for x in after],
-        "median_ms": round(statistics.median(after), 2),
-        "max_ms": round(max(after), 2),
-    }
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gap", type=float, default=0.3, help="seconds between pulls")
-    parser.add_argument("--transfer", choices=["direct", "packed", "auto"], default="direct")
-    a = parser.parse_args()
-    print(json.dumps(anyio.run(main, a.gap, a.transfer)))
+    return [
+        {
+            "transfer": transfer,
+            "gap_s": gap,
+            "pull_ms": [round(x, 2) for x in after],
+            "median_ms": round(statistics.median(after), 2),
+            "max_ms": round(max(after), 2),
+        }
+    ]

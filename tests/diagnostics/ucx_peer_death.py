@@ -22,7 +22,11 @@ counts it as crashed if it died of a signal. ``--env KEY=VALUE`` (repeatable) go
 processes. One JSON line per run of ``--trials`` trials. ``--bench`` instead times
 ``--trials`` transfers (GB/s) with no fault.
 
-    PYTHONPATH=. .venv/bin/python scripts/ucx_peer_death.py --event stop-target --trials 5 \\
+A diagnostic, not a test (pytest does not collect it): the reproducer of the UCX crash that
+docs/operations.md ("Peer death over TCP") describes, kept to check NIXL and UCX releases
+against it; ``tests/test_peer_death.py`` checks akv's own behaviour.
+
+    PYTHONPATH=. .venv/bin/python tests/diagnostics/ucx_peer_death.py --event stop-target --trials 5 \\
         --env UCX_TLS=tcp --env UCX_NET_DEVICES=lo
 """
 

@@ -1,20 +1,16 @@
-"""Why akv flushes behind its notices, with two raw NIXL agents in two processes.
+"""``akv bench --only notice_flush``: why akv flushes behind its notices, with two raw NIXL
+agents in two processes.
 
-A "prefill" process registers 1 MiB of DRAM and polls its agent every ``--interval``
-seconds. A "decode" process repeats ``--rounds`` times: a 64 KiB READ carrying a notice,
-then ``--gap`` seconds of nothing, then a 512-byte READ, timed (post to DONE). With
-``--flush after``, a small READ is posted right behind the notice (what akv does); with
-``--flush before``, another notice follows that READ. Prints one JSON line with the timed
-READ's p50, p90 and maximum in milliseconds.
-
-    PYTHONPATH=. .venv/bin/python scripts/notice_flush.py [--interval 0.002] [--gap 0.002]
-        [--flush none|after|before]
+A "prefill" process registers 1 MiB of DRAM and polls its agent every ``interval_s``. This
+process repeats: a 64 KiB READ carrying a notice, then ``gap_s`` of nothing, then a 512-byte
+READ, timed (post to DONE). ``flush`` "after": a small READ is posted right behind the notice
+(what akv does); "before": another notice follows that READ; "none": neither. One row per
+case (`CASES`), with the timed READ's p50, p90 and maximum in milliseconds, over 200 rounds
+(30 for gaps of 50 ms and more).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,17 +18,29 @@ import tempfile
 import time
 from typing import Any
 
+import anyio
 import numpy as np
 
 from akv.backends.nixl import NixlBackend
 
+__all__ = ["CASES", "figures", "prefill"]
+
 SIZE = 1 << 20
 
+#: (interval_s, gap_s, flush): the prefill polling every 2 ms and the READ 2 ms after the
+#: notice, then every 50 ms and 100 ms after.
+CASES = (
+    (0.002, 0.002, "none"),
+    (0.002, 0.002, "after"),
+    (0.002, 0.002, "before"),
+    (0.05, 0.1, "none"),
+    (0.05, 0.1, "after"),
+)
 
 _KEEP: list[NixlBackend] = []
 
 
-def agent(name: str) -> tuple[Any, np.ndarray]:
+def _agent(name: str) -> tuple[Any, np.ndarray]:
     """A raw NIXL agent (created through akv, which keeps NIXL's logs off stdout) with 1 MiB
     of DRAM registered."""
     _KEEP.append(NixlBackend(name))
@@ -43,7 +51,8 @@ def agent(name: str) -> tuple[Any, np.ndarray]:
 
 
 def prefill(folder: str, interval: float) -> None:
-    raw, buf = agent("flush-prefill")
+    """The prefill process: publish the agent's metadata in ``folder``, poll until told to stop."""
+    raw, buf = _agent("flush-prefill")
     with open(os.path.join(folder, "meta.tmp"), "wb") as f:
         f.write(raw.get_agent_metadata())
     with open(os.path.join(folder, "addr"), "w") as f:
@@ -54,8 +63,8 @@ def prefill(folder: str, interval: float) -> None:
         time.sleep(interval)
 
 
-def decode(folder: str, gap: float, flush: str, rounds: int) -> dict[str, object]:
-    raw, buf = agent("flush-decode")
+def _decode(folder: str, gap: float, flush: str, rounds: int) -> dict[str, Any]:
+    raw, buf = _agent(f"flush-decode-{flush}-{gap:g}")
     meta = os.path.join(folder, "meta")
     while not os.path.exists(meta):
         time.sleep(0.01)
@@ -96,40 +105,27 @@ def decode(folder: str, gap: float, flush: str, rounds: int) -> dict[str, object
             wait(behind)
     ms.sort()
     return {
-        "flush": flush,
-        "gap_s": gap,
         "p50_ms": round(ms[len(ms) // 2], 3),
         "p90_ms": round(ms[len(ms) * 9 // 10], 3),
         "max_ms": round(ms[-1], 3),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--interval", type=float, default=0.002, help="the prefill's seconds between polls")
-    parser.add_argument(
-        "--gap", type=float, default=0.002, help="seconds between the notice and the timed READ"
-    )
-    parser.add_argument("--flush", choices=["none", "after", "before"], default="none")
-    parser.add_argument(
-        "--rounds", type=int, default=0, help="default: 200, or 30 for gaps of 50 ms and more"
-    )
-    parser.add_argument("--prefill", metavar="FOLDER", help=argparse.SUPPRESS)
-    a = parser.parse_args()
-    if a.prefill:
-        prefill(a.prefill, a.interval)
-        return
-    rounds = a.rounds or (30 if a.gap >= 0.05 else 200)
+def case(interval: float, gap: float, flush: str) -> dict[str, Any]:
+    """One case: a prefill process polling every ``interval`` s, the timed READ ``gap`` s
+    after the notice."""
+    rounds = 30 if gap >= 0.05 else 200
     with tempfile.TemporaryDirectory() as folder:
-        argv = [sys.executable, __file__, "--prefill", folder, "--interval", str(a.interval)]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        code = f"from akv.bench.figures.notice_flush import prefill; prefill({folder!r}, {interval!r})"
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
         try:
-            result = decode(folder, a.gap, a.flush, rounds)
+            result = _decode(folder, gap, flush, rounds)
         finally:
             open(os.path.join(folder, "stop"), "w").close()
             proc.wait(10)
-    print(json.dumps({"interval_s": a.interval, **result}))
+    return {"interval_s": interval, "gap_s": gap, "flush": flush, "rounds": rounds, **result}
 
 
-if __name__ == "__main__":
-    main()
+async def figures(transfer: str = "direct") -> list[dict[str, Any]]:
+    """Every case of `CASES` (``transfer`` is not used)."""
+    return [await anyio.to_thread.run_sync(case, *c) for c in CASES]

@@ -1,19 +1,18 @@
-"""Where packed reads start to beat direct ones: the threshold of ``transfer="auto"``.
+"""``akv bench --only packed_threshold``: where packed reads start to beat direct ones, the
+threshold of ``transfer="auto"``.
 
 One prefill rank and one decode rank of TP 2 in this process (NIXL over UCX loopback, DRAM,
 bfloat16, 8 KV heads of 128, 16 layers, blocks of 16 tokens): the decode rank reads half the
 heads of requests of 1 to 16 blocks, on the per-layer HND layout (one descriptor per layer,
-K/V plane and block) and on NHD (one per token too), directly and packed, alternating, and
-prints per case the descriptors a direct read posts and the mean milliseconds of a pull each
-way (launch to verified bytes in place, the packed scatter included) as JSON lines.
-
-    PYTHONPATH=. .venv/bin/python scripts/packed_threshold.py
+K/V plane and block) and on NHD (one per token too), directly and packed, alternating. One
+row per case: the descriptors a direct read posts and the mean milliseconds of a pull each
+way (launch to bytes in place, the packed scatter included), over 6 rounds after a warm-up.
 """
 
 from __future__ import annotations
 
-import json
 import time
+from typing import Any
 
 import anyio
 import numpy as np
@@ -21,10 +20,12 @@ import torch
 
 import akv
 
+__all__ = ["case", "figures"]
+
 ROUNDS = 6
 
 
-async def case(layout: str, blocks: int) -> dict[str, object]:
+async def case(layout: str, blocks: int) -> dict[str, Any]:
     """Mean pull time of ``blocks``-block requests, direct and packed, on ``layout``."""
     spec = akv.KVSpec.create(
         layers=16, num_blocks=64, block_size=16, kv_heads=8, head_dim=128, dtype="bfloat16", layout=layout
@@ -35,24 +36,16 @@ async def case(layout: str, blocks: int) -> dict[str, object]:
         server = akv.ControlServer()
         endpoint = await tg.start(server.serve)
         kv = akv.allocate_kv_cache(spec, 0, 1)
+        direct, packed = (
+            akv.Consumer(
+                akv.allocate_kv_cache(spec, 0, 2), spec, tp_rank=0, tp_size=2, same_process="nixl", transfer=t
+            )
+            for t in ("direct", "packed")
+        )
         async with (
             akv.Producer(kv, spec, tp_rank=0, tp_size=1, server=server, transfer="packed") as producer,
-            akv.Consumer(
-                akv.allocate_kv_cache(spec, 0, 2),
-                spec,
-                tp_rank=0,
-                tp_size=2,
-                same_process="nixl",
-                transfer="direct",
-            ) as direct,
-            akv.Consumer(
-                akv.allocate_kv_cache(spec, 0, 2),
-                spec,
-                tp_rank=0,
-                tp_size=2,
-                same_process="nixl",
-                transfer="packed",
-            ) as packed,
+            direct,
+            packed,
         ):
             sessions = {"direct": await direct.connect(endpoint), "packed": await packed.connect(endpoint)}
             ids = list(range(blocks, 2 * blocks))
@@ -76,12 +69,7 @@ async def case(layout: str, blocks: int) -> dict[str, object]:
     }
 
 
-async def main() -> None:
+async def figures(transfer: str = "direct") -> list[dict[str, Any]]:
+    """HND and NHD, 1 to 16 blocks (``transfer`` is not used: both ways run)."""
     torch.set_num_threads(1)
-    for layout in ("HND", "NHD"):
-        for blocks in (1, 2, 4, 8, 16):
-            print(json.dumps(await case(layout, blocks)), flush=True)
-
-
-if __name__ == "__main__":
-    anyio.run(main)
+    return [await case(layout, blocks) for layout in ("HND", "NHD") for blocks in (1, 2, 4, 8, 16)]
