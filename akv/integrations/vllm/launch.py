@@ -112,9 +112,23 @@ def instance_command(
     )
     if core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--port", str(http_port), "--max-model-len", str(max_model_len), "--dtype", "bfloat16",
-           "--tensor-parallel-size", str(tp), "--seed", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--port",
+        str(http_port),
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        "bfloat16",
+        "--tensor-parallel-size",
+        str(tp),
+        "--seed",
+        "0",
+    ]
     if block_size is not None:
         cmd += ["--block-size", str(block_size)]
     if connector != "none":
@@ -123,14 +137,24 @@ def instance_command(
             ktc["kv_load_failure_policy"] = failure_policy
         if connector == "akv":
             cfg: dict[str, Any] = {"port": akv_port, **(extra or {})}
-            ktc.update(kv_connector="AkvConnector", kv_connector_module_path="akv.integrations.vllm",
-                       kv_connector_extra_config=cfg)
+            ktc.update(
+                kv_connector="AkvConnector",
+                kv_connector_module_path="akv.integrations.vllm",
+                kv_connector_extra_config=cfg,
+            )
         elif connector == "nixl":
-            ktc.update(kv_connector="NixlConnector", kv_buffer_device="cpu",
-                       kv_connector_extra_config=dict(extra or {}))
+            ktc.update(
+                kv_connector="NixlConnector",
+                kv_buffer_device="cpu",
+                kv_connector_extra_config=dict(extra or {}),
+            )
         else:  # nixl-tuned
-            ktc.update(kv_connector="TunedNixlConnector", kv_connector_module_path="nixl_tuned",
-                       kv_buffer_device="cpu", kv_connector_extra_config=dict(extra or {}))
+            ktc.update(
+                kv_connector="TunedNixlConnector",
+                kv_connector_module_path="nixl_tuned",
+                kv_buffer_device="cpu",
+                kv_connector_extra_config=dict(extra or {}),
+            )
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_EXAMPLES), env.get("PYTHONPATH")) if p)
         cmd += ["--kv-transfer-config", json.dumps(ktc)]
     cmd += list(vllm_args)
@@ -157,7 +181,9 @@ def wait_ready(instances: Sequence[Instance], timeout: float = 300.0) -> None:
         for inst in list(pending):
             if inst.proc.poll() is not None:
                 tail = inst.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"vLLM {inst.role} ({inst.connector}) exited {inst.proc.returncode}:\n{tail}")
+                raise RuntimeError(
+                    f"vLLM {inst.role} ({inst.connector}) exited {inst.proc.returncode}:\n{tail}"
+                )
             try:
                 with urllib.request.urlopen(inst.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -182,8 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--kv-space-gib", type=int, default=1)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config keys, as JSON")
-    ap.add_argument("--failure-policy", choices=("recompute", "fail"), default=None,
-                    help="vLLM's kv_load_failure_policy (default: vLLM's, fail)")
+    ap.add_argument(
+        "--failure-policy",
+        choices=("recompute", "fail"),
+        default=None,
+        help="vLLM's kv_load_failure_policy (default: vLLM's, fail)",
+    )
     ap.add_argument("vllm_args", nargs="*", help="more arguments for vLLM (after --)")
     args = ap.parse_args(argv)
     try:
@@ -191,15 +221,30 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(extra, dict):
             raise ValueError("not an object")
     except ValueError as exc:
-        print(f"launch: --extra {args.extra!r} is not a JSON object ({exc}): write e.g. '{{\"mode\": \"push\"}}'", file=sys.stderr)
+        print(
+            f'launch: --extra {args.extra!r} is not a JSON object ({exc}): write e.g. \'{{"mode": "push"}}\'',
+            file=sys.stderr,
+        )
         return 64
     if not Path(args.model).is_dir():
-        print(f"launch: --model {args.model}: no such directory (build one: python examples/vllm/tiny_model.py DIR)", file=sys.stderr)
+        print(
+            f"launch: --model {args.model}: no such directory (build one: python examples/vllm/tiny_model.py DIR)",
+            file=sys.stderr,
+        )
         return 64
     cmd, env = instance_command(
-        args.model, role=args.role, http_port=args.http_port, connector=args.connector,
-        akv_port=args.akv_port, nixl_port=args.nixl_port, extra=extra, core=args.core, tp=args.tp,
-        kv_space_gib=args.kv_space_gib, failure_policy=args.failure_policy, vllm_args=args.vllm_args,
+        args.model,
+        role=args.role,
+        http_port=args.http_port,
+        connector=args.connector,
+        akv_port=args.akv_port,
+        nixl_port=args.nixl_port,
+        extra=extra,
+        core=args.core,
+        tp=args.tp,
+        kv_space_gib=args.kv_space_gib,
+        failure_policy=args.failure_policy,
+        vllm_args=args.vllm_args,
     )
     os.execvpe(cmd[0], cmd, env)
 

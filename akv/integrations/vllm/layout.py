@@ -90,7 +90,9 @@ def _region(t: torch.Tensor, group: LayerGroup, content: Content) -> tuple[torch
     """One layer's tensor as (a view in akv's axis order, that axis order)."""
     if group.kind == "mla":
         if t.dim() != 3:
-            raise ConfigError(f"group {group.name!r}: an MLA tensor is [blocks, block_size, latent], got {tuple(t.shape)}")
+            raise ConfigError(
+                f"group {group.name!r}: an MLA tensor is [blocks, block_size, latent], got {tuple(t.shape)}"
+            )
         names = ["block", "token", "unit,elem"]
         order = _physical_order(t)
         if order[-1] != 2:
@@ -165,20 +167,27 @@ def describe(
                 )
             seen[ptr] = name
             if t.dtype not in _DTYPES:
-                raise ConfigError(f"layer {name!r}: KV dtype {t.dtype} is not one akv moves ({sorted(DTYPE_SIZES)})")
+                raise ConfigError(
+                    f"layer {name!r}: KV dtype {t.dtype} is not one akv moves ({sorted(DTYPE_SIZES)})"
+                )
             view, these = _region(t, g, content)
             if axes is None:
                 axes, dtype = these, _DTYPES[t.dtype]
                 num_blocks = t.shape[0]
                 block_size = t.shape[1] if g.kind == "mla" else t.shape[2]
             elif these != axes or t.shape[0] != num_blocks:
-                raise ConfigError(f"group {g.name!r}: layer {name!r} is laid out unlike the group's first layer")
+                raise ConfigError(
+                    f"group {g.name!r}: layer {name!r} is laid out unlike the group's first layer"
+                )
             regions.append(view)
         if g.kind == "mla":
-            comps: tuple[Component, ...] = (Component(name="latent", units=1, unit_elems=g.head_size, shard="replicate"),)
+            comps: tuple[Component, ...] = (
+                Component(name="latent", units=1, unit_elems=g.head_size, shard="replicate"),
+            )
         else:
             comps = tuple(
-                Component(name=c, units=g.total_kv_heads, unit_elems=g.head_size, shard="heads") for c in ("k", "v")
+                Component(name=c, units=g.total_kv_heads, unit_elems=g.head_size, shard="heads")
+                for c in ("k", "v")
             )
         out_groups.append(
             Group(

@@ -86,7 +86,9 @@ class RemoteKV:
                 lease=float(params.get("akv_lease") or 120.0),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"kv_transfer_params of a prefill instance running akv: bad or missing {exc}") from None
+            raise ConfigError(
+                f"kv_transfer_params of a prefill instance running akv: bad or missing {exc}"
+            ) from None
 
 
 @dataclass(frozen=True, slots=True)

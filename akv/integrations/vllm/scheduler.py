@@ -52,7 +52,10 @@ class SchedulerHalf:
         if not params or not params.get("do_remote_prefill"):
             return None
         if "akv_address" not in params:
-            log.warning("request %s: kv_transfer_params name no akv prefill instance: computed locally", request.request_id)
+            log.warning(
+                "request %s: kv_transfer_params name no akv prefill instance: computed locally",
+                request.request_id,
+            )
             return None
         try:
             remote = RemoteKV.from_params(params)
@@ -63,7 +66,9 @@ class SchedulerHalf:
             log.warning(
                 "request %s: the prefill instance's block size %d differs from ours (%d), which vLLM's CPU "
                 "layout cannot mix: computed locally (start both with the same --block-size)",
-                request.request_id, remote.block_size, self.ident.block_size,
+                request.request_id,
+                remote.block_size,
+                self.ident.block_size,
             )
             return None
         return remote

@@ -100,36 +100,56 @@ class WorkerHalf:
         self._portal_cm = start_blocking_portal("asyncio")
         self._portal = self._portal_cm.__enter__()
         common: dict[str, Any] = dict(
-            tp_rank=self.tp_rank, tp_size=self.tp_size, engine_id=self.ident.engine_id,
-            secret=o.secret, tls=o.tls,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            engine_id=self.ident.engine_id,
+            secret=o.secret,
+            tls=o.tls,
         )
         try:
             if self.ident.producer:
                 first = self.tp_rank == 0
                 self.producer = self._enter(
                     akv.Producer(
-                        regions, spec, on_release=self._released, lease=o.lease,
-                        host=o.host, port=self.ident.port if first else 0, advertise_host=o.advertise_host,
+                        regions,
+                        spec,
+                        on_release=self._released,
+                        lease=o.lease,
+                        host=o.host,
+                        port=self.ident.port if first else 0,
+                        advertise_host=o.advertise_host,
                         allow_insecure=o.allow_insecure,
                         bootstrap=None if first or o.etcd else self.ident.bootstrap,
-                        etcd=o.etcd, transfer=o.transfer, pack_pool_bytes=o.pack_pool_bytes, **common,
+                        etcd=o.etcd,
+                        transfer=o.transfer,
+                        pack_pool_bytes=o.pack_pool_bytes,
+                        **common,
                     )
                 )
             if self.ident.consumer:
                 self.consumer = self._enter(
                     akv.Consumer(
-                        regions, spec, mode=o.mode, transfer=o.transfer,
-                        transfer_timeout=o.transfer_timeout, connect_timeout=o.connect_timeout,
-                        handshake_timeout=o.handshake_timeout, settle_timeout=o.settle_timeout, **common,
+                        regions,
+                        spec,
+                        mode=o.mode,
+                        transfer=o.transfer,
+                        transfer_timeout=o.transfer_timeout,
+                        connect_timeout=o.connect_timeout,
+                        handshake_timeout=o.handshake_timeout,
+                        settle_timeout=o.settle_timeout,
+                        **common,
                     )
                 )
         except BaseException:
             self.shutdown()
             raise
         log.info(
-            "akv rank %d/%d ready: %s, groups %s, address %s", self.tp_rank, self.tp_size,
+            "akv rank %d/%d ready: %s, groups %s, address %s",
+            self.tp_rank,
+            self.tp_size,
             "+".join(r for r, on in (("prefill", self.producer), ("decode", self.consumer)) if on),
-            [(g.name, g.layout) for g in spec.groups], self.ident.address,
+            [(g.name, g.layout) for g in spec.groups],
+            self.ident.address,
         )
 
     def _enter(self, rank: Any) -> Any:
@@ -223,7 +243,13 @@ class WorkerHalf:
                         raise
                     await anyio.sleep(0.002)
         except Exception as exc:  # any failure: vLLM must never compute on these blocks
-            log.warning("akv: pull of request %s (prefill %s) failed: %s: %s", rid, remote.address, type(exc).__name__, exc)
+            log.warning(
+                "akv: pull of request %s (prefill %s) failed: %s: %s",
+                rid,
+                remote.address,
+                type(exc).__name__,
+                exc,
+            )
             with self.out.lock:
                 self.out.failed.add(rid)
                 self.out.failures += 1
