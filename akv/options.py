@@ -54,7 +54,12 @@ def add_mode_flags(
         help="serve only this transfer mode (default: both)"
         if served
         else "pull: decode READs; push: prefill WRITEs into blocks decode grants, layer by layer "
-        + ("(default: push when UCX_TLS leaves only tcp, else pull)" if auto else "(default: %(default)s)"),
+        + (
+            "(default: per engine, push where UCX would serve reads over TCP: another host without "
+            "RDMA, or UCX_TLS=tcp; else pull)"
+            if auto
+            else "(default: %(default)s)"
+        ),
     )
     if layers:
         p.add_argument(

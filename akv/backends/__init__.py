@@ -4,8 +4,10 @@ module of akv that imports ``nixl``; it is loaded only when a rank starts."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
@@ -14,7 +16,18 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "DlistHandle", "Reaper", "XferHandle", "XferState", "mem_type", "ucx_tcp_only"]
+__all__ = [
+    "Backend",
+    "DlistHandle",
+    "Reaper",
+    "XferHandle",
+    "XferState",
+    "host_is_here",
+    "mem_type",
+    "rdma_devices",
+    "reads_over_tcp",
+    "ucx_tcp_only",
+]
 
 XferState = Literal["DONE", "PROC"]
 DlistHandle = Any
@@ -48,13 +61,60 @@ def ucx_tcp_only(environ: Mapping[str, str] | None = None) -> bool:
     agent destroyed to cut a hung read) while replies are still queued, UCX 1.23 (bundled
     with NIXL 1.5.1) purges them through a path that reads fields it never set, and the
     target process dies with SIGSEGV (docs/operations.md#peer-death-over-tcp). WRITEs over
-    TCP leave the target nothing queued, so a consumer defaults to push mode there.
+    TCP leave the target nothing queued, so a consumer's sessions push there by default
+    (see `reads_over_tcp`).
     """
     env = os.environ if environ is None else environ
     tls = [t.strip() for t in env.get("UCX_TLS", "").split(",") if t.strip()]
     if not tls or tls[0].startswith("^"):
         return False
     return "tcp" in tls and all(t == "tcp" or t in _LOCAL_TLS for t in tls)
+
+
+#: UCX transports that read one-sidedly over RDMA (UCX_TLS names).
+_RDMA_TLS = ("rc", "ud", "dc", "ib", "rc_x", "rc_v", "ud_x", "ud_v", "dc_x", "rc_mlx5", "ud_mlx5", "dc_mlx5")
+
+
+def rdma_devices(sysfs: str = "/sys/class/infiniband") -> list[str]:
+    """The RDMA devices of this host (InfiniBand or RoCE), as the kernel lists them."""
+    path = Path(sysfs)
+    return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+
+
+def host_is_here(host: str) -> bool:
+    """True when ``host`` (an IP address or name) is an address of this host's network
+    namespace: a socket can be bound to it. Another namespace on the same machine counts as
+    another host, as it does for UCX (it moves data between them over TCP). *Blocking*: a
+    name is resolved."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def reads_over_tcp(
+    here: bool, environ: Mapping[str, str] | None = None, devices: Sequence[str] | None = None
+) -> bool:
+    """True when UCX would serve READs to a peer over TCP: ``UCX_TLS`` leaves only TCP, or
+    the peer is on another host (``here`` False) and UCX may use no RDMA transport (this host
+    has no RDMA device, or ``UCX_TLS`` names none). See `ucx_tcp_only` for why it matters."""
+    env = os.environ if environ is None else environ
+    if ucx_tcp_only(env):
+        return True
+    if here:
+        return False
+    tls = [t.strip() for t in env.get("UCX_TLS", "").split(",") if t.strip()]
+    if tls and not tls[0].startswith("^") and not any(t.startswith(_RDMA_TLS) for t in tls):
+        return True
+    return not (rdma_devices() if devices is None else devices)
 
 
 class Backend(Protocol):

@@ -98,11 +98,15 @@ class Consumer(RankBase):
             blocks each pull grants them, layer by layer as prefill computes them; the
             prefill engine must serve push, else connecting raises
             [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``mode``).
-            Same API either way; ``TransferResult.path`` says ``"push"``. ``None`` (the
-            default): ``"push"`` when ``UCX_TLS`` leaves TCP as the only transport (a decode
-            rank dying mid-READ over UCX TCP can crash the prefill process, see
-            docs/operations.md#peer-death-over-tcp) and ``transfer`` is not ``"packed"``,
-            else ``"pull"``.
+            Same API either way; ``TransferResult.path`` says ``"push"``. ``"auto"`` (the
+            default, ``None`` too): each session decides before its first handshake, push
+            where UCX would serve its READs over TCP (a decode rank dying mid-READ over UCX
+            TCP can crash the prefill process, see docs/operations.md#peer-death-over-tcp):
+            ``UCX_TLS`` leaves only TCP, or the engine's first endpoints are not addresses of
+            this host's network namespace and UCX may use no RDMA here (no device in
+            ``/sys/class/infiniband``, or ``UCX_TLS`` names no RDMA transport); pull
+            otherwise, and always with ``transfer="packed"``. ``TransferSession.mode`` says
+            which.
         stop_grace_s: push mode: seconds a failed or cancelled pull waits for its writers to
             confirm they stopped before it removes their agents and settles anyway.
         transfer: which copy of a request to read: ``"direct"`` (the paged blocks), ``"packed"``
@@ -187,9 +191,9 @@ class Consumer(RankBase):
             raise ConfigError(f"copy_with must be 'auto' or 'torch', got {copy_with!r}")
         self.copy_with = copy_with
         if mode is None:
-            mode = "push" if ucx_tcp_only() and transfer != "packed" else "pull"
-        if mode not in ("pull", "push"):
-            raise ConfigError(f"mode must be 'pull' or 'push', got {mode!r}")
+            mode = "pull" if transfer == "packed" else "auto"
+        if mode not in ("pull", "push", "auto"):
+            raise ConfigError(f"mode must be 'pull', 'push' or 'auto', got {mode!r}")
         if mode == "pull" and backend is None and ucx_tcp_only():
             self._log.warning(
                 "pull mode over UCX TCP: a decode rank dying mid-read can crash the prefill "
@@ -240,7 +244,7 @@ class Consumer(RankBase):
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         backend = self.backend
         self._poller.start(may_replace=self._own_backend)  # an agent handed in is never replaced
-        if self.mode == "push":
+        if self.mode != "pull":  # sessions may push: the writers need this agent's metadata
             self._metadata = await anyio.to_thread.run_sync(backend.metadata)
             stack.push_async_callback(self._poller.stop_pushes)  # runs before the poller stops
         if self.verify_exposure:

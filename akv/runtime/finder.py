@@ -10,12 +10,13 @@ from __future__ import annotations
 import secrets
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
 import msgspec
 
+from akv.backends import host_is_here, reads_over_tcp
 from akv.errors import AkvError, EngineChangedError, HandshakeError, MissingRanksError
 from akv.protocol.address import (
     BootstrapAddress,
@@ -50,6 +51,22 @@ class EngineFinder:
         self.engine_id = ""  # set by whoever links the ranks found
         self.instance = ""  # the engine's incarnation (Challenge.instance_id), once known
         self._registry: Any = None  # an EtcdRegistry for etcd:// addresses
+        #: the session's mode, "pull" or "push": the rank's, or for a rank in "auto", chosen
+        #: before the first handshake from where the engine is (see `choose_mode`)
+        self.mode: str | None = None if rank.mode == "auto" else rank.mode
+
+    async def choose_mode(self, endpoints: Iterable[Endpoint]) -> None:
+        """A rank in mode "auto": push when UCX would serve this session's READs over TCP (the
+        engine's first endpoints are on another host, and UCX may use no RDMA transport here,
+        or ``UCX_TLS`` leaves only TCP), else pull. Decided once, before the first handshake:
+        the prefill ranks learn the mode from it."""
+        if self.mode is not None:
+            return
+        hosts = sorted({ep.host for ep in endpoints})
+        here = True
+        for host in hosts:
+            here = here and await anyio.to_thread.run_sync(host_is_here, host)
+        self.mode = "push" if self.rank.transfer != "packed" and reads_over_tcp(here) else "pull"
 
     def hello(self) -> Hello:
         """This decode rank's Hello (push mode: with its agent and regions, for the writers)."""
@@ -63,7 +80,7 @@ class EngineFinder:
             nonce=secrets.token_bytes(16),
             agent_name=c.backend.name,
         )
-        if c.mode == "push":  # the prefill ranks WRITE: they need our agent and regions
+        if self.mode == "push":  # the prefill ranks WRITE: they need our agent and regions
             hello = msgspec.structs.replace(
                 hello,
                 mode="push",
@@ -97,6 +114,7 @@ class EngineFinder:
         infos: dict[int, RankInfo] = {}
         challenges: list[Challenge] = []
         if isinstance(addr, BootstrapAddress):
+            await self.choose_mode([addr.endpoint])
             tp, endpoints, first = await self._from_bootstrap(addr.endpoint, ranks)
             challenges.append(first.challenge)
             infos.update(first.ranks)
@@ -105,6 +123,7 @@ class EngineFinder:
             endpoints = {r: addr.endpoints[r] for r in (ranks if ranks is not None else self.needed(tp))}
         else:
             tp, endpoints = await self._from_etcd(addr, ranks)
+        await self.choose_mode(endpoints.values())
         by_endpoint: dict[Endpoint, list[int]] = {}
         for rank, ep in endpoints.items():
             if rank not in infos:

@@ -119,6 +119,11 @@ class EngineLinks:
         return {r: link.agent for r, link in self.links.items()}
 
     @property
+    def mode(self) -> str:
+        """``"pull"`` or ``"push"`` (for a rank in ``"auto"``, ``"pull"`` until chosen at the first handshake)."""
+        return self.finder.mode or "pull"
+
+    @property
     def remote_engine_id(self) -> str:
         """The engine linked to (empty until the first handshake)."""
         return self.finder.engine_id
@@ -151,7 +156,11 @@ class EngineLinks:
             done.set()
         self.metrics.inc("handshakes")
         self.log.info(
-            "handshake done", remote=self.remote_engine_id, prefill_tp=self.prefill_tp, ranks=sorted(infos)
+            "handshake done",
+            remote=self.remote_engine_id,
+            prefill_tp=self.prefill_tp,
+            ranks=sorted(infos),
+            mode=self.mode,
         )
 
     async def _install(self, ch: Challenge, infos: dict[int, RankInfo]) -> None:
@@ -180,7 +189,7 @@ class EngineLinks:
                     "engines (or pass verify_exposure=False to trust it blindly)",
                     ("exposure",),
                 )
-        if c.transfer != "direct" and c.mode != "push" and any(i.pack is not None for i in infos.values()):
+        if c.transfer != "direct" and self.mode != "push" and any(i.pack is not None for i in infos.values()):
             await c.enable_packing()
         for r in infos:  # a rank linked before (lost, or restarted): forget its old agent first
             link = self.links.get(r)
@@ -393,7 +402,7 @@ class EngineLinks:
     def say_bye(self) -> None:
         """Push mode: tell the prefill ranks to forget this decode rank's agent."""
         c = self.rank
-        if c.mode != "push" or c.backend_or_none is None:
+        if self.mode != "push" or c.backend_or_none is None:
             return
         bye = encode_push(
             PushNotice(kind="bye", engine_id=c.engine_id, decode_rank=c.tp_rank, decode_tp=c.tp_size)

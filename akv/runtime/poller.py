@@ -57,7 +57,8 @@ class PullPoller:
 
     Args:
         agent: returns the rank's agent now (it changes when the agent is replaced).
-        mode: the rank's mode, ``"pull"`` or ``"push"``.
+        mode: the rank's mode, ``"pull"``, ``"push"`` or ``"auto"`` (the writers' notices are
+            drained while push pulls are in flight).
         checks: the exposure-check pool (notices are flushed behind with one of its slots).
         metrics, log, backoff: the rank's.
         settle_timeout: seconds reads NIXL cannot cancel may hold a failed pull before
@@ -397,7 +398,7 @@ class PullPoller:
         while True:
             now = time.monotonic()
             progressed = False
-            pushing = self.mode == "push"
+            pushing = self.mode == "push" or bool(self._grants)
             if pushing:
                 try:
                     progressed |= self._drain()

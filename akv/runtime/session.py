@@ -104,6 +104,12 @@ class TransferSession:
         return self.remote.dlists
 
     @property
+    def mode(self) -> str:
+        """How this session's pulls move: ``"pull"`` (this rank READs) or ``"push"`` (the
+        prefill ranks WRITE); see the consumer's ``mode``."""
+        return self.remote.mode
+
+    @property
     def remote_engine_id(self) -> str:
         """The prefill engine's id (empty until the first handshake)."""
         return self.remote.remote_engine_id
@@ -226,11 +232,11 @@ class TransferSession:
             return "packed"
         if copier is not None:
             return "copy"
-        return "push" if self.rank.mode == "push" else "read"
+        return "push" if self.remote.mode == "push" else "read"
 
     def _packs(self, prepared: Prepared, copier: CopyPlan | None) -> bool:
         c = self.rank
-        if c.staging is None or c.mode == "push":
+        if c.staging is None or self.remote.mode == "push":
             return False
         packs = {
             r: link.info.pack if link.directory is not None else None for r, link in self.remote.links.items()

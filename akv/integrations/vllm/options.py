@@ -36,7 +36,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         allow_insecure: serve a non-loopback address without a secret (trusted networks only).
         tls_cert, tls_key, tls_ca: TLS on the control plane (PEM file paths).
         mode: decode side: ``"pull"`` (decode READs) or ``"push"`` (prefill WRITEs); default:
-            akv's (push when ``UCX_TLS`` leaves only TCP, else pull).
+            akv's (per prefill engine: push where UCX would serve reads over TCP, else pull).
         transfer: ``"direct"``, ``"packed"`` or ``"auto"`` (see akv's packed transfers).
         lease: prefill side: seconds an exposed request stays pinned unread.
         transfer_timeout: decode side: seconds a pull may take before it fails.

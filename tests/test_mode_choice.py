@@ -1,0 +1,66 @@
+"""A consumer in its default mode pushes where UCX would serve its READs over TCP (a READ
+target can crash when its reader vanishes there: docs/operations.md#peer-death-over-tcp) and
+pulls elsewhere; the choice is made per prefill engine. The hosts case (two network
+namespaces, push chosen) is tests/test_network_cut.py's suite case."""
+
+from __future__ import annotations
+
+import pytest
+
+import akv
+from akv.backends import host_is_here, reads_over_tcp
+from tests.conftest import make_spec
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize(
+    "here,env,devices,expected",
+    [
+        (True, {}, [], False),  # this host: shared memory
+        (True, {"UCX_TLS": "tcp"}, [], True),  # only TCP, even here
+        (True, {"UCX_TLS": "tcp,self"}, ["mlx5_0"], True),
+        (False, {}, [], True),  # another host, no RDMA device
+        (False, {}, ["mlx5_0"], False),  # another host over RDMA
+        (False, {"UCX_TLS": "rc,tcp"}, ["mlx5_0"], False),
+        (False, {"UCX_TLS": "tcp,cma"}, ["mlx5_0"], True),  # UCX may use no RDMA transport
+        (False, {"UCX_TLS": "^tcp"}, ["mlx5_0"], False),  # an exclusion list keeps RDMA
+    ],
+)
+def test_reads_over_tcp(here: bool, env: dict[str, str], devices: list[str], expected: bool) -> None:
+    """The rule, case by case: TCP-only UCX_TLS, or another host without an RDMA transport."""
+    assert reads_over_tcp(here, env, devices) is expected
+
+
+def test_host_is_here() -> None:
+    """Loopback and this host's names are here; an address of no interface here and a name
+    that does not resolve are not."""
+    assert host_is_here("127.0.0.1") and host_is_here("localhost")
+    assert not host_is_here("198.51.100.77")  # TEST-NET-2: on no interface of this machine
+    assert not host_is_here("no-such-host.invalid")
+
+
+async def test_default_mode_pulls_from_an_engine_on_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With UCX_TLS unset, a default consumer's session to a prefill rank on loopback pulls
+    (data by shared memory), and its pulls take the read path."""
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    spec = make_spec(num_blocks=8)
+    async with (
+        akv.Producer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1) as producer,
+        akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, same_process="nixl") as consumer,
+    ):
+        assert consumer.mode == "auto"
+        producer.expose("r", [1, 2])
+        session = await consumer.connect(str(producer.endpoint))
+        assert session.mode == "pull"
+        result = await (await session.pull("r", [3, 4], [1, 2]))
+        assert result.path == "read"
+
+
+async def test_packed_transfers_always_pull() -> None:
+    """transfer="packed" reads packed copies: the default mode is pull, whatever the peer."""
+    spec = make_spec(num_blocks=8)
+    kv = akv.allocate_kv_cache(spec, 0, 1)
+    assert akv.Consumer(kv, spec, tp_rank=0, tp_size=1, transfer="packed").mode == "pull"
+    with pytest.raises(akv.ConfigError, match="'pull', 'push' or 'auto'"):
+        akv.Consumer(kv, spec, tp_rank=0, tp_size=1, mode="sideways")
