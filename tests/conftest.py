@@ -157,6 +157,13 @@ def make_spec(kv_heads: int = 4, mla: bool = False, **kw: object) -> akv.KVSpec:
     return akv.KVSpec.create(**fields)
 
 
+def prefill_rank(spec: Any, rank: int = 0, size: int = 1, *, device: str = "cpu", **kw: Any) -> akv.Producer:
+    """Prefill rank ``rank`` of ``size`` on a fresh cache (``kw``: more `akv.Producer` options);
+    enter it with ``async with``."""
+    kv = akv.allocate_kv_cache(spec, rank, size, device=device)
+    return akv.Producer(kv, spec, tp_rank=rank, tp_size=size, **kw)
+
+
 @asynccontextmanager
 async def prefill_engine(
     spec: Any,
@@ -177,22 +184,18 @@ async def prefill_engine(
         await tg.start(server.serve)
         engine = Engine(spec, [], server)
         for r in range(tp_size):
-            kv = akv.allocate_kv_cache(spec, r, tp_size, device=device)
-            engine.producers.append(
-                await stack.enter_async_context(
-                    akv.Producer(
-                        kv,
-                        spec,
-                        tp_rank=r,
-                        tp_size=tp_size,
-                        server=server,
-                        lease=lease,
-                        engine_id=engine_id,
-                        on_release=engine.released,
-                        **producer_kw,
-                    )
-                )
+            rank = prefill_rank(
+                spec,
+                r,
+                tp_size,
+                device=device,
+                server=server,
+                lease=lease,
+                engine_id=engine_id,
+                on_release=engine.released,
+                **producer_kw,
             )
+            engine.producers.append(await stack.enter_async_context(rank))
         try:
             yield engine
         finally:

@@ -23,7 +23,7 @@ from akv.geometry.layout import rank_layout
 from akv.packing import CacheViews, scatter
 from akv.runtime.paths.packed import WORKER_BYTES
 from akv.testing import fill_request, json_lines, make_requests, verify_request
-from tests.conftest import Engine, decode_rank, make_spec, prefill_engine, wait_for
+from tests.conftest import Engine, decode_rank, make_spec, prefill_engine, prefill_rank, wait_for
 from tests.transfers import PULL_PAIRS, pull_every_request
 
 pytestmark = pytest.mark.anyio
@@ -440,27 +440,10 @@ def test_push_mode_and_packed_copies_exclude_each_other() -> None:
     pull only."""
     spec = make_spec(kv_heads=4)
     with pytest.raises(akv.ConfigError, match="mode='pull'"):
-        akv.Consumer(
-            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, mode="push", transfer="packed"
-        )
+        decode_rank(spec, mode="push", transfer="packed")
     with pytest.raises(akv.ConfigError, match="release_after_pack"):
-        akv.Producer(
-            akv.allocate_kv_cache(spec, 0, 1),
-            spec,
-            tp_rank=0,
-            tp_size=1,
-            transfer="packed",
-            release_after_pack=True,
-            modes=["pull", "push"],
-        )
-    producer = akv.Producer(
-        akv.allocate_kv_cache(spec, 0, 1),
-        spec,
-        tp_rank=0,
-        tp_size=1,
-        transfer="packed",
-        release_after_pack=True,
-    )
+        prefill_rank(spec, transfer="packed", release_after_pack=True, modes=["pull", "push"])
+    producer = prefill_rank(spec, transfer="packed", release_after_pack=True)
     assert producer.modes == ("pull",)
 
 

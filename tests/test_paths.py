@@ -13,12 +13,11 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 
 import akv
 from akv.testing import fetch_requests, fill_request, verify_request
-from tests.conftest import Engine, make_spec, prefill_engine, prefill_process, wait_for
-from tests.transfers import PULL_PAIRS, pull_every_request
+from tests.conftest import make_spec, prefill_engine, prefill_process, wait_for
+from tests.transfers import PULL_PAIRS, pull_everything
 
 pytestmark = pytest.mark.anyio
 
@@ -26,54 +25,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-async def pull_everything(
-    pspec: Any,
-    dspec: Any,
-    p: int,
-    d: int,
-    same_process: str,
-    requests: int = 3,
-    inline: int = 128 << 20,
-    device: str = "cpu",
-    copy_with: str = "auto",
-    views: bool = False,
-) -> tuple[list[akv.TransferResult], Engine]:
-    """Expose ``requests`` requests on a P-rank engine, pull each on every one of D decode
-    ranks (every other one after a one-block prefix hit), verify every byte read."""
-    regions = as_views if views else akv.allocate_kv_cache
-    return await pull_every_request(
-        pspec,
-        dspec,
-        p,
-        d,
-        lambda r: akv.Consumer(
-            regions(dspec, r, d, device=device),
-            dspec,
-            tp_rank=r,
-            tp_size=d,
-            same_process=same_process,
-            copy_inline_bytes=inline,
-            copy_with=copy_with,
-        ),
-        requests=requests,
-        seed=7,
-        device=device,
-    )
-
-
-def as_views(spec: Any, rank: int, size: int, device: str = "cpu") -> list[torch.Tensor]:
-    """The rank's regions as views into one buffer, each starting 2 bytes past an 8-byte
-    boundary (an engine's own tensors need not start where their storage does)."""
-    shapes = [(t.shape, t.dtype) for t in akv.allocate_kv_cache(spec, rank, size)]
-    sizes = [int(torch.empty(s, dtype=d).nbytes) for s, d in shapes]
-    buffer = torch.zeros(sum(sizes) + 2 * len(sizes) + 2, dtype=torch.uint8, device=device)
-    out, at = [], 2
-    for (shape, dtype), n in zip(shapes, sizes, strict=True):
-        out.append(buffer[at : at + n].view(dtype).view(shape))
-        at += n + 2
-    return out
 
 
 @pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PULL_PAIRS)

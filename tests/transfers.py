@@ -1,4 +1,4 @@
-"""Pulls between in-process engines, shared by the transfer-path tests (test_paths,
+"""Pulls between in-process engines, shared by the transfer-path tests (test_paths, test_gpu,
 test_packed, test_push, test_session, test_write_after_return) and the per-rank engine tests
 (test_engines, test_deployment): the cache pairings they run, a pull of every request on every
 decode rank checked bit-exact, and a backend whose reads NIXL reports running for a while."""
@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
+import torch
 
 import akv
 from akv.backends import XferHandle, XferState
@@ -120,6 +121,55 @@ async def pull_every_request(
                 ), (req.request_id, r)
         await wait_for(lambda: sum(engine.reasons.values()) >= p * requests, timeout=10)
     return results, engine
+
+
+async def pull_everything(
+    pspec: Any,
+    dspec: Any,
+    p: int,
+    d: int,
+    same_process: str,
+    requests: int = 3,
+    inline: int = 128 << 20,
+    device: str = "cpu",
+    copy_with: str = "auto",
+    views: bool = False,
+) -> tuple[list[akv.TransferResult], Engine]:
+    """`pull_every_request` (3 requests by default) from a ``p``-rank engine to ``d`` decode
+    ranks reaching it with ``same_process`` (copies of ``copy_with``, inline up to ``inline``
+    bytes), both on ``device``; ``views``: decode regions that start inside their storage."""
+    regions = as_views if views else akv.allocate_kv_cache
+    return await pull_every_request(
+        pspec,
+        dspec,
+        p,
+        d,
+        lambda r: akv.Consumer(
+            regions(dspec, r, d, device=device),
+            dspec,
+            tp_rank=r,
+            tp_size=d,
+            same_process=same_process,
+            copy_inline_bytes=inline,
+            copy_with=copy_with,
+        ),
+        requests=requests,
+        seed=7,
+        device=device,
+    )
+
+
+def as_views(spec: Any, rank: int, size: int, device: str = "cpu") -> list[torch.Tensor]:
+    """The rank's regions as views into one buffer, each starting 2 bytes past an 8-byte
+    boundary (an engine's own tensors need not start where their storage does)."""
+    shapes = [(t.shape, t.dtype) for t in akv.allocate_kv_cache(spec, rank, size)]
+    sizes = [int(torch.empty(s, dtype=d).nbytes) for s, d in shapes]
+    buffer = torch.zeros(sum(sizes) + 2 * len(sizes) + 2, dtype=torch.uint8, device=device)
+    out, at = [], 2
+    for (shape, dtype), n in zip(shapes, sizes, strict=True):
+        out.append(buffer[at : at + n].view(dtype).view(shape))
+        at += n + 2
+    return out
 
 
 class HeldBackend(NixlBackend):
