@@ -1,4 +1,5 @@
-"""Shared fixtures: anyio backends, a prefill engine in another process, in-process engines."""
+"""Shared fixtures and helpers: anyio backends, a real etcd, the cache of the CLI, a prefill engine
+in another process, in-process engines and their ranks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 import akv
 from akv.geometry.cache import as_cache
-from akv.testing import expected_blocks, fill_request, local_counts, spawn_prefill
+from akv.testing import EtcdServer, etcd_binary, expected_blocks, fill_request, local_counts, spawn_prefill
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -37,6 +38,31 @@ def cli_spec(*model: str) -> akv.KVSpec:
     from akv.cli.args import spec_from_args
 
     return spec_from_args(build_parser().parse_args(["decode", "--connect", "x:1", "--tp-size", "1", *model]))
+
+
+def _need_etcd() -> None:
+    if etcd_binary() is None:
+        message = "no etcd binary: bash scripts/setup.sh installs Debian's etcd-server (or set AKV_ETCD)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """A real etcd server shared by the session's tests (skipped without an etcd binary;
+    failed under ``CI``)."""
+    _need_etcd()
+    with EtcdServer(str(tmp_path_factory.mktemp("etcd"))) as server:
+        yield server
+
+
+@pytest.fixture
+def own_etcd(tmp_path: object) -> Iterator[EtcdServer]:
+    """A real etcd server of the test's own, which it may stop and start."""
+    _need_etcd()
+    with EtcdServer(str(tmp_path)) as server:
+        yield server
 
 
 def read_json_line(proc: subprocess.Popen[str]) -> dict[str, object]:

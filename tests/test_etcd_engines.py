@@ -16,7 +16,6 @@ import pytest
 import akv
 from akv.testing import EtcdServer, fill_request, verify_request
 from tests.conftest import decode_engine, decode_rank, make_spec, prefill_rank
-from tests.test_discovery import etcd, own_etcd  # noqa: F401  (fixtures: a real etcd server)
 
 pytestmark = pytest.mark.anyio
 
@@ -36,7 +35,7 @@ async def etcd_engine(
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer, mode: str) -> None:  # noqa: F811
+async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer, mode: str) -> None:
     """P=4 ranks registered in etcd, D=2 decode ranks connect by etcd://HOST:PORT/NAME: each
     links the ranks it needs, pulls bit-exact (pull mode: reads; push mode: the ranks write),
     and every prefill rank releases the request once."""
@@ -66,7 +65,7 @@ async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer, mode: s
                 await p.wait_released()
 
 
-async def test_sessions_keep_pulling_while_etcd_is_down(own_etcd: EtcdServer) -> None:  # noqa: F811
+async def test_sessions_keep_pulling_while_etcd_is_down(own_etcd: EtcdServer) -> None:
     """etcd stops after the handshake: pulls go on; a new connect fails typed; etcd back, it works."""
     spec = make_spec(kv_heads=2)
     name = f"p-{uuid.uuid4().hex[:8]}"
@@ -109,7 +108,7 @@ def test_demo_through_etcd() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_killed_rank_leaves_etcd_and_its_restart_is_found(etcd: EtcdServer, anyio_backend: str) -> None:  # noqa: F811
+async def test_killed_rank_leaves_etcd_and_its_restart_is_found(etcd: EtcdServer, anyio_backend: str) -> None:
     """Rank processes registered in etcd: a SIGKILLed rank's key goes within its TTL and only the
     pulls needing it fail; restarted on a new port, it is found again through etcd."""
     from akv.runtime.discovery import EtcdRegistry
