@@ -1,4 +1,5 @@
-"""Shared fixtures: anyio backends, a prefill engine in another process, in-process engines."""
+"""Shared fixtures and helpers: anyio backends, a real etcd, the cache of the CLI, a prefill engine
+in another process, in-process engines and their ranks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 import akv
 from akv.geometry.cache import as_cache
-from akv.testing import expected_blocks, local_counts, spawn_prefill
+from akv.testing import EtcdServer, etcd_binary, expected_blocks, fill_request, local_counts, spawn_prefill
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -29,6 +30,39 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 
 MODEL = ["--layers", "2", "--blocks", "64", "--block-size", "4", "--head-dim", "16", "--dtype", "float16"]
+
+
+def cli_spec(*model: str) -> akv.KVSpec:
+    """The cache a rank of ``akv decode`` builds from these model flags (e.g. ``--kv-heads 4 *MODEL``)."""
+    from akv.cli import build_parser  # the CLI (and its logging) only for the tests that ask
+    from akv.cli.args import spec_from_args
+
+    return spec_from_args(build_parser().parse_args(["decode", "--connect", "x:1", "--tp-size", "1", *model]))
+
+
+def _need_etcd() -> None:
+    if etcd_binary() is None:
+        message = "no etcd binary: bash scripts/setup.sh installs Debian's etcd-server (or set AKV_ETCD)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """A real etcd server shared by the session's tests (skipped without an etcd binary;
+    failed under ``CI``)."""
+    _need_etcd()
+    with EtcdServer(str(tmp_path_factory.mktemp("etcd"))) as server:
+        yield server
+
+
+@pytest.fixture
+def own_etcd(tmp_path: object) -> Iterator[EtcdServer]:
+    """A real etcd server of the test's own, which it may stop and start."""
+    _need_etcd()
+    with EtcdServer(str(tmp_path)) as server:
+        yield server
 
 
 def read_json_line(proc: subprocess.Popen[str]) -> dict[str, object]:
@@ -115,6 +149,16 @@ class Engine:
             generations.append(p.expose(request_id, block_ids, lease=lease))
         return generations[0]
 
+    def expose_requests(self, requests: Sequence[Any], **expose_kw: Any) -> None:
+        """Write each of ``requests`` (`akv.testing.make_requests`) on every rank and expose it
+        there (``expose_kw``: more `akv.Producer.expose` options, e.g. ``layers_ready``)."""
+        for req in requests:
+            for p in self.producers:
+                fill_request(
+                    p.kv_caches, self.spec, p.tp_rank, p.tp_size, req.block_ids, req.seed, req.num_tokens
+                )
+                p.expose(req.request_id, req.block_ids, **expose_kw)
+
 
 def local_ids(spec: Any, n: int, num_tokens: int, hit: int = 0) -> Any:
     """Decode block ids for the ``n``-th request of ``num_tokens`` tokens after a prefix hit
@@ -139,6 +183,13 @@ def make_spec(kv_heads: int = 4, mla: bool = False, **kw: object) -> akv.KVSpec:
     return akv.KVSpec.create(**fields)
 
 
+def prefill_rank(spec: Any, rank: int = 0, size: int = 1, *, device: str = "cpu", **kw: Any) -> akv.Producer:
+    """Prefill rank ``rank`` of ``size`` on a fresh cache (``kw``: more `akv.Producer` options);
+    enter it with ``async with``."""
+    kv = akv.allocate_kv_cache(spec, rank, size, device=device)
+    return akv.Producer(kv, spec, tp_rank=rank, tp_size=size, **kw)
+
+
 @asynccontextmanager
 async def prefill_engine(
     spec: Any,
@@ -159,38 +210,36 @@ async def prefill_engine(
         await tg.start(server.serve)
         engine = Engine(spec, [], server)
         for r in range(tp_size):
-            kv = akv.allocate_kv_cache(spec, r, tp_size, device=device)
-            engine.producers.append(
-                await stack.enter_async_context(
-                    akv.Producer(
-                        kv,
-                        spec,
-                        tp_rank=r,
-                        tp_size=tp_size,
-                        server=server,
-                        lease=lease,
-                        engine_id=engine_id,
-                        on_release=engine.released,
-                        **producer_kw,
-                    )
-                )
+            rank = prefill_rank(
+                spec,
+                r,
+                tp_size,
+                device=device,
+                server=server,
+                lease=lease,
+                engine_id=engine_id,
+                on_release=engine.released,
+                **producer_kw,
             )
+            engine.producers.append(await stack.enter_async_context(rank))
         try:
             yield engine
         finally:
             tg.cancel_scope.cancel()
 
 
+def decode_rank(spec: Any, rank: int = 0, size: int = 1, **kw: Any) -> akv.Consumer:
+    """Decode rank ``rank`` of ``size`` on a fresh CPU cache (``kw``: more `akv.Consumer` options);
+    enter it with ``async with``."""
+    return akv.Consumer(akv.allocate_kv_cache(spec, rank, size), spec, tp_rank=rank, tp_size=size, **kw)
+
+
 @asynccontextmanager
-async def decode_engine(spec: akv.KVSpec, tp_size: int, **kw: object) -> AsyncIterator[list[akv.Consumer]]:
+async def decode_engine(spec: Any, tp_size: int, **kw: Any) -> AsyncIterator[list[akv.Consumer]]:
+    """``tp_size`` decode ranks of this process (`decode_rank`, each with options ``kw``), open
+    together and closed together."""
     async with AsyncExitStack() as stack:
-        consumers = [
-            await stack.enter_async_context(
-                akv.Consumer(akv.allocate_kv_cache(spec, d, tp_size), spec, tp_rank=d, tp_size=tp_size, **kw)
-            )  # type: ignore[arg-type]
-            for d in range(tp_size)
-        ]
-        yield consumers
+        yield [await stack.enter_async_context(decode_rank(spec, d, tp_size, **kw)) for d in range(tp_size)]
 
 
 def verify(consumer: akv.Consumer, local: Sequence[int], seed: int, positions: Sequence[int]) -> bool:

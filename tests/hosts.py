@@ -71,6 +71,7 @@ __all__ = [
     "pidns_members",
     "proto_tables",
     "reap_stale",
+    "reset_after_each",
     "unavailable",
 ]
 
@@ -620,6 +621,25 @@ def hosts(n: int, *, scope: str = "module") -> Any:
             net.close()
 
     return _hosts
+
+
+def reset_after_each(network: str) -> Any:
+    """A pytest fixture yielding the `hosts` fixture named ``network`` to one test, and resetting
+    it after the test: no process left running, no fault left on a link::
+
+        two = hosts(2)
+        ab = reset_after_each("two")  # tests take ``ab``
+    """
+
+    @pytest.fixture
+    def _reset(request: pytest.FixtureRequest) -> Iterator[Network]:
+        net: Network = request.getfixturevalue(network)
+        try:
+            yield net
+        finally:
+            net.reset()
+
+    return _reset
 
 
 # -- akv processes on hosts -----------------------------------------------------------------

@@ -10,11 +10,9 @@ import time
 import msgspec
 import pytest
 
-from akv.cli import build_parser
-from akv.cli.args import spec_from_args
 from akv.protocol.messages import PROTOCOL_VERSION
 from akv.testing import fetch_requests
-from tests.conftest import MODEL, prefill_process
+from tests.conftest import MODEL, cli_spec, prefill_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -71,11 +69,7 @@ async def test_abuse_leaves_prefill_serving_with_bounded_memory() -> None:
     """Garbage, oversized and truncated frames, wrong messages, a flood and idle connections
     held open: real handshakes keep succeeding promptly and memory stays bounded."""
     with prefill_process(1, 4, "--secret", "k", requests=2) as (proc, endpoint):
-        spec = spec_from_args(
-            build_parser().parse_args(
-                ["decode", "--connect", endpoint, "--tp-size", "1", "--kv-heads", "4", *MODEL]
-            )
-        )
+        spec = cli_spec("--kv-heads", "4", *MODEL)
 
         async def real_handshake() -> float:
             started = time.monotonic()
@@ -107,11 +101,7 @@ async def test_abuse_leaves_prefill_serving_with_bounded_memory() -> None:
 async def test_wrong_secret_gets_no_metadata() -> None:
     """A client with the wrong secret is refused and never receives agent metadata."""
     with prefill_process(1, 4, "--secret", "right", requests=1) as (_proc, endpoint):
-        spec = spec_from_args(
-            build_parser().parse_args(
-                ["decode", "--connect", endpoint, "--tp-size", "1", "--kv-heads", "4", *MODEL]
-            )
-        )
+        spec = cli_spec("--kv-heads", "4", *MODEL)
         import akv
 
         with pytest.raises(akv.AuthenticationError):

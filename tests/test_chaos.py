@@ -18,7 +18,7 @@ from akv.backends import XferHandle, XferState
 from akv.backends.nixl import NixlBackend
 from akv.errors import PeerLostError, TransferError
 from akv.testing import expected_blocks
-from tests.conftest import make_spec, verify
+from tests.conftest import decode_rank, make_spec, prefill_rank, verify
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -87,11 +87,10 @@ async def run_round(rng: random.Random, faults: Counter[str], n_requests: int, k
             def on_release(rel: akv.Release, r: int = r) -> None:
                 releases[(r, rel.request_id)] += 1
 
-            prod = akv.Producer(
-                akv.allocate_kv_cache(spec, r, p),
+            prod = prefill_rank(
                 spec,
-                tp_rank=r,
-                tp_size=p,
+                r,
+                p,
                 server=server,
                 lease=0.5,
                 on_release=on_release,
@@ -100,11 +99,10 @@ async def run_round(rng: random.Random, faults: Counter[str], n_requests: int, k
             producers.append(await stack.enter_async_context(prod))
         consumers = [
             await stack.enter_async_context(
-                akv.Consumer(
-                    akv.allocate_kv_cache(spec, r, d),
+                decode_rank(
                     spec,
-                    tp_rank=r,
-                    tp_size=d,
+                    r,
+                    d,
                     transfer_timeout=2.0,
                     retries=0,
                     backend=FaultyBackend(f"chaos-d{r}-{rng.random():.9f}", rng, faults),

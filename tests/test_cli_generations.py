@@ -6,7 +6,7 @@ import pytest
 
 import akv
 from akv.testing import fetch_requests, spawn_prefill
-from tests.conftest import stop
+from tests.conftest import cli_spec, stop
 from tests.test_cli import SMALL
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -17,13 +17,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def spec() -> akv.KVSpec:
-    from akv.cli import build_parser
-    from akv.cli.args import spec_from_args
-
-    return spec_from_args(build_parser().parse_args(["decode", "--connect", "x:1", "--tp-size", "1", *SMALL]))
-
-
 async def test_cli_prefill_announces_generations_every_rank_honours() -> None:
     """Requests announced by a 2-rank `akv prefill` carry non-zero generations; a 2 -> 1 pull
     bound to one (reading from both ranks) verifies, and one bound to another generation
@@ -32,7 +25,7 @@ async def test_cli_prefill_announces_generations_every_rank_honours() -> None:
         "--tp-size", "2", "--requests", "2", "--blocks-per-request", "4", "--timeout", "60", *SMALL
     )
     try:
-        s = spec()
+        s = cli_spec(*SMALL)
         reqs = await fetch_requests(endpoint, s, None, "g")
         assert all(r.generation for r in reqs) and len({r.generation for r in reqs}) == 2
         async with akv.Consumer(akv.allocate_kv_cache(s, 0, 1), s, tp_rank=0, tp_size=1) as consumer:

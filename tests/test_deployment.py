@@ -19,11 +19,10 @@ import anyio.to_thread
 import pytest
 
 import akv
-from akv.cli import build_parser
-from akv.cli.args import spec_from_args
 from akv.testing import fetch_requests, verify_request
-from tests.conftest import MODEL
-from tests.hosts import AKV, Host, Lines, Network, akv_env, assert_inter_node_tcp, hosts
+from tests.conftest import MODEL, cli_spec, decode_engine
+from tests.hosts import AKV, Host, Lines, Network, akv_env, assert_inter_node_tcp, hosts, reset_after_each
+from tests.transfers import MLA_TP_PAIRS, TP_PAIRS
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +33,6 @@ LOAD = ["--requests", str(REQUESTS), "--blocks-per-request", "4"]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def spec_of(*model: str) -> akv.KVSpec:
-    """The cache ``akv decode`` builds for these model flags."""
-    return spec_from_args(build_parser().parse_args(["decode", "--connect", "x", "--tp-size", "1", *model]))
 
 
 def last_json(text: str) -> dict[str, Any]:
@@ -96,15 +90,7 @@ def popen(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.
 
 # -- 1. each rank its own process, both address forms -------------------------------------------
 
-CASES = [
-    (4, 2, 8, False),
-    (2, 4, 8, False),
-    (4, 6, 12, False),
-    (8, 2, 2, False),
-    (3, 6, 6, False),
-    (4, 2, 0, True),
-    (2, 3, 0, True),
-]
+CASES = [(p, d, h, False) for p, d, h in TP_PAIRS] + [(p, d, 0, True) for p, d in MLA_TP_PAIRS]
 
 
 def _case_id(i: int) -> str:
@@ -159,7 +145,7 @@ async def test_killed_rank_only_its_pulls_fail_and_restart_is_found(procs: list[
     """SIGKILL prefill rank 2 of 4: only decode rank 2's pulls fail (typed, within their transfer
     timeout), the others' stay bit-exact; a restarted rank 2 is found through the bootstrap and
     re-linked by decode rank 2 alone, and every rank then releases every request by read once."""
-    spec = spec_of("--kv-heads", "4", *MODEL)
+    spec = cli_spec("--kv-heads", "4", *MODEL)
     ranks = {0: Proc(popen(rank_argv(0)))}
     procs.extend(ranks.values())
     boot = str((await anyio.to_thread.run_sync(ranks[0].ready))["endpoint"])
@@ -170,19 +156,9 @@ async def test_killed_rank_only_its_pulls_fail_and_restart_is_found(procs: list[
         await anyio.to_thread.run_sync(ranks[r].ready)
 
     async with AsyncExitStack() as stack:
-        consumers = [
-            await stack.enter_async_context(
-                akv.Consumer(
-                    akv.allocate_kv_cache(spec, d, 4),
-                    spec,
-                    tp_rank=d,
-                    tp_size=4,
-                    engine_id=ENGINE,
-                    transfer_timeout=TRANSFER_TIMEOUT,
-                )
-            )
-            for d in range(4)
-        ]
+        consumers = await stack.enter_async_context(
+            decode_engine(spec, 4, engine_id=ENGINE, transfer_timeout=TRANSFER_TIMEOUT)
+        )
         sessions = [await c.connect(boot) for c in consumers]
         assert [set(s.links) for s in sessions] == [{0}, {1}, {2}, {3}]
         requests = await fetch_requests(boot, spec, None, ENGINE)
@@ -246,17 +222,9 @@ async def test_killed_rank_only_its_pulls_fail_and_restart_is_found(procs: list[
 # -- 3 and 4. ranks on separate hosts, and link faults -----------------------------------------
 
 three = hosts(3)
+abc = reset_after_each("three")  # the three hosts, reset after each test
 SECRET = "deploy-test-secret"
 HOST_MODEL = [*MODEL, "--kv-heads", "8"]  # P=4, D=2: decode rank 0 reads host A's ranks, rank 1 host B's
-
-
-@pytest.fixture
-def abc(three: Network) -> Iterator[Network]:
-    """Three hosts, with no process left running and no fault left on a link after the test."""
-    try:
-        yield three
-    finally:
-        three.reset()
 
 
 def start_engine(

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 
 import anyio
 import httpx
@@ -26,7 +25,7 @@ from akv.protocol.address import (
 )
 from akv.protocol.messages import PROTOCOL_VERSION
 from akv.runtime.discovery import EtcdRegistry, RankRecord
-from akv.testing import EtcdServer, etcd_binary, spawn_registrant
+from akv.testing import EtcdServer, spawn_registrant
 from tests.conftest import stop
 
 TTL = 1.0  # etcd's minimum with the test server's election settings
@@ -89,28 +88,6 @@ def test_rank_record_validation() -> None:
 
 
 # -- a real etcd ---------------------------------------------------------------------------
-
-
-def _need_etcd() -> None:
-    if etcd_binary() is None:
-        message = "no etcd binary: bash scripts/setup.sh installs Debian's etcd-server (or set AKV_ETCD)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
-@pytest.fixture(scope="session")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    _need_etcd()
-    with EtcdServer(str(tmp_path_factory.mktemp("etcd"))) as server:
-        yield server
-
-
-@pytest.fixture
-def own_etcd(tmp_path: object) -> Iterator[EtcdServer]:
-    _need_etcd()
-    with EtcdServer(str(tmp_path)) as server:
-        yield server
 
 
 def engine_name() -> str:

@@ -5,7 +5,7 @@ only the pulls that need it and is found again (real NIXL agents, real sockets).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 
 import anyio
 import anyio.abc
@@ -13,7 +13,8 @@ import pytest
 
 import akv
 from akv.testing import fill_request, verify_request
-from tests.conftest import make_spec
+from tests.conftest import decode_engine, make_spec, prefill_rank
+from tests.transfers import MLA_TP_PAIRS, TP_PAIRS
 
 pytestmark = pytest.mark.anyio
 
@@ -35,15 +36,13 @@ class RankEngine:
         try:
             with anyio.CancelScope() as scope:
                 boot = None if rank == 0 else str(self.ranks[0].endpoint)
-                kv = akv.allocate_kv_cache(self.spec, rank, self.tp_size)
-                async with akv.Producer(
-                    kv,
+                async with prefill_rank(
                     self.spec,
-                    tp_rank=rank,
-                    tp_size=self.tp_size,
+                    rank,
+                    self.tp_size,
                     bootstrap=boot,
                     on_release=lambda rel: self.releases.append((rank, rel)),
-                    **kw,  # type: ignore[arg-type]
+                    **kw,
                 ) as producer:
                     self.ranks[rank] = producer
                     self.stops[rank] = (scope, done)
@@ -85,33 +84,14 @@ async def rank_engine(spec: akv.KVSpec, tp_size: int, **kw: object) -> AsyncIter
         tg.cancel_scope.cancel()
 
 
-@asynccontextmanager
-async def decode_ranks(spec: akv.KVSpec, tp_size: int, **kw: object) -> AsyncIterator[list[akv.Consumer]]:
-    async with AsyncExitStack() as stack:
-        yield [
-            await stack.enter_async_context(
-                akv.Consumer(
-                    akv.allocate_kv_cache(spec, d, tp_size),
-                    spec,
-                    tp_rank=d,
-                    tp_size=tp_size,
-                    engine_id="decode-test",
-                    **kw,  # type: ignore[arg-type]
-                )
-            )
-            for d in range(tp_size)
-        ]
+def decode_ranks(
+    spec: akv.KVSpec, tp_size: int, **kw: object
+) -> AbstractAsyncContextManager[list[akv.Consumer]]:
+    """``tp_size`` decode ranks of engine "decode-test" (`decode_engine`)."""
+    return decode_engine(spec, tp_size, engine_id="decode-test", **kw)
 
 
-CONFIGS = [
-    (4, 2, 8, False),
-    (2, 4, 8, False),
-    (4, 6, 12, False),
-    (8, 2, 2, False),
-    (3, 6, 6, False),
-    (4, 2, 1, True),
-    (2, 3, 1, True),
-]
+CONFIGS = [(p, d, h, False) for p, d, h in TP_PAIRS] + [(p, d, 1, True) for p, d in MLA_TP_PAIRS]
 
 
 @pytest.mark.parametrize("form", ["bootstrap", "list"])

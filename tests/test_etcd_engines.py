@@ -15,8 +15,7 @@ import pytest
 
 import akv
 from akv.testing import EtcdServer, fill_request, verify_request
-from tests.conftest import make_spec
-from tests.test_discovery import etcd, own_etcd  # noqa: F401  (fixtures: a real etcd server)
+from tests.conftest import decode_engine, decode_rank, make_spec, prefill_rank
 
 pytestmark = pytest.mark.anyio
 
@@ -27,25 +26,16 @@ async def etcd_engine(
 ) -> AsyncIterator[list[akv.Producer]]:
     """Prefill ranks that register only in etcd (no bootstrap), each with its own endpoint."""
     async with AsyncExitStack() as stack:
-        ranks = [
+        yield [
             await stack.enter_async_context(
-                akv.Producer(
-                    akv.allocate_kv_cache(spec, r, tp_size),
-                    spec,
-                    tp_rank=r,
-                    tp_size=tp_size,
-                    engine_id=name,
-                    etcd=etcd_endpoint,
-                    etcd_ttl=2.0,
-                )
+                prefill_rank(spec, r, tp_size, engine_id=name, etcd=etcd_endpoint, etcd_ttl=2.0)
             )
             for r in range(tp_size)
         ]
-        yield ranks
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer, mode: str) -> None:  # noqa: F811
+async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer, mode: str) -> None:
     """P=4 ranks registered in etcd, D=2 decode ranks connect by etcd://HOST:PORT/NAME: each
     links the ranks it needs, pulls bit-exact (pull mode: reads; push mode: the ranks write),
     and every prefill rank releases the request once."""
@@ -55,20 +45,15 @@ async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer, mode: s
         for p in ranks:
             fill_request(p.kv_caches, spec, p.tp_rank, 4, [1, 2, 3], 9)
             p.expose("r", [1, 2, 3])
-        consumers = [
-            await stack.enter_async_context(
-                akv.Consumer(
-                    akv.allocate_kv_cache(spec, d, 2),
-                    spec,
-                    tp_rank=d,
-                    tp_size=2,
-                    engine_id="d-etcd",
-                    mode=mode,
-                    same_process="nixl" if mode == "push" else "auto",  # push: through NIXL
-                )
+        consumers = await stack.enter_async_context(
+            decode_engine(
+                spec,
+                2,
+                engine_id="d-etcd",
+                mode=mode,
+                same_process="nixl" if mode == "push" else "auto",  # push: through NIXL
             )
-            for d in range(2)
-        ]
+        )
         sessions = [await c.connect(f"etcd://{etcd.endpoint}/{name}") for c in consumers]
         assert [sorted(s.links) for s in sessions] == [[0, 1], [2, 3]]
         for s in sessions:
@@ -80,15 +65,13 @@ async def test_etcd_address_finds_every_rank_bit_exact(etcd: EtcdServer, mode: s
                 await p.wait_released()
 
 
-async def test_sessions_keep_pulling_while_etcd_is_down(own_etcd: EtcdServer) -> None:  # noqa: F811
+async def test_sessions_keep_pulling_while_etcd_is_down(own_etcd: EtcdServer) -> None:
     """etcd stops after the handshake: pulls go on; a new connect fails typed; etcd back, it works."""
     spec = make_spec(kv_heads=2)
     name = f"p-{uuid.uuid4().hex[:8]}"
     address = f"etcd://{own_etcd.endpoint}/{name}"
     async with etcd_engine(spec, 2, own_etcd.endpoint, name) as ranks, AsyncExitStack() as stack:
-        first = await stack.enter_async_context(
-            akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, handshake_timeout=2)
-        )
+        first = await stack.enter_async_context(decode_rank(spec, handshake_timeout=2))
         session = await first.connect(address)
         await anyio.to_thread.run_sync(own_etcd.stop)
         for p in ranks:
@@ -96,9 +79,7 @@ async def test_sessions_keep_pulling_while_etcd_is_down(own_etcd: EtcdServer) ->
             p.expose("during-outage", [4, 5])
         await (await session.pull("during-outage", [8, 9], [4, 5]))
         assert verify_request(first.kv_caches, spec, 0, 1, [8, 9], 3, range(2))
-        late = await stack.enter_async_context(
-            akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, handshake_timeout=2)
-        )
+        late = await stack.enter_async_context(decode_rank(spec, handshake_timeout=2))
         with pytest.raises(akv.DiscoveryError):
             await late.connect(address)
         await anyio.to_thread.run_sync(own_etcd.start)
@@ -127,7 +108,7 @@ def test_demo_through_etcd() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_killed_rank_leaves_etcd_and_its_restart_is_found(etcd: EtcdServer, anyio_backend: str) -> None:  # noqa: F811
+async def test_killed_rank_leaves_etcd_and_its_restart_is_found(etcd: EtcdServer, anyio_backend: str) -> None:
     """Rank processes registered in etcd: a SIGKILLed rank's key goes within its TTL and only the
     pulls needing it fail; restarted on a new port, it is found again through etcd."""
     from akv.runtime.discovery import EtcdRegistry
@@ -142,13 +123,9 @@ async def test_killed_rank_leaves_etcd_and_its_restart_is_found(etcd: EtcdServer
     address = f"etcd://{etcd.endpoint}/{name}"
     try:
         async with AsyncExitStack() as stack:
-            d0, d1 = [
-                await stack.enter_async_context(
-                    akv.Consumer(akv.allocate_kv_cache(spec, d, 2), spec, tp_rank=d, tp_size=2,
-                                 engine_id="d-kill", transfer_timeout=5, handshake_timeout=5)
-                )
-                for d in range(2)
-            ]  # fmt: skip
+            d0, d1 = await stack.enter_async_context(
+                decode_engine(spec, 2, engine_id="d-kill", transfer_timeout=5, handshake_timeout=5)
+            )
             s0, s1 = await d0.connect(address), await d1.connect(address)
             reqs = await fetch_requests(address, spec, None, "d-kill")
             first, second = reqs[0], reqs[1]

@@ -12,10 +12,17 @@ import anyio
 import pytest
 
 import akv
-from akv.cli import build_parser
-from akv.cli.args import spec_from_args
 from akv.testing import fetch_requests, spawn_prefill
-from tests.conftest import MODEL, prefill_process, read_json_line, stop, summary_of, verify
+from tests.conftest import (
+    MODEL,
+    cli_spec,
+    decode_rank,
+    prefill_process,
+    read_json_line,
+    stop,
+    summary_of,
+    verify,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -24,9 +31,7 @@ TCP = {"UCX_TLS": "tcp"}  # data over TCP: reads stay in flight long enough to b
 
 
 def big_spec() -> akv.KVSpec:
-    return spec_from_args(
-        build_parser().parse_args(["decode", "--connect", "x:1", "--tp-size", "1", "--kv-heads", "4", *BIG])
-    )
+    return cli_spec("--kv-heads", "4", *BIG)
 
 
 def start_prefill(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
@@ -60,9 +65,7 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
     try:
         reqs_a = await fetch_requests(ep_a, spec, None, "t")
         reqs_b = await fetch_requests(ep_b, spec, None, "t")
-        async with akv.Consumer(
-            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, transfer_timeout=10, mode="pull"
-        ) as consumer:
+        async with decode_rank(spec, transfer_timeout=10, mode="pull") as consumer:
             sa, sb = await consumer.connect(ep_a), await consumer.connect(ep_b)
             old_agent = sa.agents[0]
             ta = [
@@ -121,30 +124,10 @@ async def test_hung_peer_times_out_and_releases_by_lease() -> None:
     """SIGSTOP: handshakes fail on their timeout; once resumed, prefill releases every
     request exactly once, unread ones by lease."""
     with prefill_process(1, 4, "--lease", "1", requests=4) as (proc, endpoint):
-        spec = spec_from_args(
-            build_parser().parse_args(
-                [
-                    "decode",
-                    "--connect",
-                    endpoint,
-                    "--tp-size",
-                    "1",
-                    "--kv-heads",
-                    "4",
-                    *MODEL,
-                ]
-            )
-        )
+        spec = cli_spec("--kv-heads", "4", *MODEL)
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            async with akv.Consumer(
-                akv.allocate_kv_cache(spec, 0, 1),
-                spec,
-                tp_rank=0,
-                tp_size=1,
-                handshake_timeout=0.5,
-                retries=0,
-            ) as consumer:
+            async with decode_rank(spec, handshake_timeout=0.5, retries=0) as consumer:
                 started = time.monotonic()
                 with pytest.raises(akv.HandshakeError, match="timed out"):
                     await consumer.connect(endpoint)
@@ -166,11 +149,8 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
     proc, endpoint = start_prefill(env=TCP)
     try:
         reqs = await fetch_requests(endpoint, spec, None, "t")
-        async with akv.Consumer(
-            akv.allocate_kv_cache(spec, 0, 1),
+        async with decode_rank(
             spec,
-            tp_rank=0,
-            tp_size=1,
             transfer_timeout=1.0,
             mode="pull",  # READs over TCP: the case this test is about
             handshake_timeout=1.0,
@@ -266,9 +246,7 @@ async def test_pulls_waiting_on_a_lost_peer_fail_together() -> None:
     fail with a typed error in about the time of one attempt, not one attempt after another."""
     spec = akv.KVSpec.create(layers=2, num_blocks=64, block_size=4, kv_heads=4, head_dim=16, dtype="float16")
     with prefill_process(1, 4, requests=12) as (proc, endpoint):
-        async with akv.Consumer(
-            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, retries=1, connect_timeout=1.0
-        ) as consumer:
+        async with decode_rank(spec, retries=1, connect_timeout=1.0) as consumer:
             session = await consumer.connect(endpoint)
             reqs = await fetch_requests(endpoint, spec, None, consumer.engine_id)
             await (await session.pull(reqs[0].request_id, [0, 1, 2, 3], reqs[0].block_ids))

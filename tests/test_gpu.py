@@ -18,7 +18,7 @@ import akv
 from akv.geometry.cache import as_cache
 from akv.testing import fetch_requests, json_lines, local_counts, spawn_prefill, verify_request
 from tests.conftest import make_spec
-from tests.test_paths import PAIRS, pull_everything
+from tests.transfers import PULL_PAIRS, pull_everything
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +32,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PULL_PAIRS)
 async def test_vram_copy_path_in_one_process(pspec: Any, dspec: Any, p: int, d: int) -> None:
     """Prefill and decode ranks of one process on the GPU: the copy path, bit-exact, released by read."""
     results, engine = await pull_everything(pspec, dspec, p, d, "auto", device="cuda")

@@ -424,6 +424,19 @@ def test_block_sizes_not_multiples_are_refused() -> None:
     check_peer(a, preset("llama-3.1-8b", layers=1, blocks=4, block_size=32))
 
 
+def swa_group(comps: tuple[Component, ...], *, window: int, block_size: int = 4) -> Group:
+    """A sliding-window group "swa" of model layer 0, 8 blocks of ``block_size`` tokens."""
+    return Group(
+        name="swa",
+        kind="sliding",
+        layers=(0,),
+        components=comps,
+        num_blocks=8,
+        block_size=block_size,
+        window=window,
+    )
+
+
 def sliding_spec(window: int) -> CacheSpec:
     comps = (
         Component(name="k", units=2, unit_elems=2, shard="heads"),
@@ -432,15 +445,7 @@ def sliding_spec(window: int) -> CacheSpec:
     return CacheSpec.create(
         [
             Group(name="full", kind="full", layers=(1,), components=comps, num_blocks=8, block_size=4),
-            Group(
-                name="swa",
-                kind="sliding",
-                layers=(0,),
-                components=comps,
-                num_blocks=8,
-                block_size=4,
-                window=window,
-            ),
+            swa_group(comps, window=window),
         ]
     )
 
@@ -464,19 +469,7 @@ def test_sliding_window_needs_the_token_count_to_trim() -> None:
     """Without num_tokens a sliding group reads every block both lists name (nothing is lost
     when the last block is partly filled); with it, only the blocks of the window."""
     comps = (Component(name="k", units=1, unit_elems=1, shard="heads"),)
-    spec = CacheSpec.create(
-        [
-            Group(
-                name="swa",
-                kind="sliding",
-                layers=(0,),
-                components=comps,
-                num_blocks=8,
-                block_size=2,
-                window=2,
-            )
-        ]
-    )
+    spec = CacheSpec.create([swa_group(comps, window=2, block_size=2)])
     (plan,) = plans(spec, 1, 1)
     whole = plan.prepare("r", [0, 1, 2], [3, 4, 5])
     assert whole.read_ids.tolist() == [3, 4, 5] and whole.bytes == 3 * 2 * 2  # 3 blocks of 2 tokens

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,18 +25,11 @@ from tests.hosts import (
     hosts,
     pidns_members,
     proto_tables,
+    reset_after_each,
 )
 
 two = hosts(2)
-
-
-@pytest.fixture
-def ab(two: Network) -> Iterator[Network]:
-    """The two hosts, with no process left running and no fault left on a link after the test."""
-    try:
-        yield two
-    finally:
-        two.reset()
+ab = reset_after_each("two")  # the two hosts, reset after each test
 
 
 SECRET = "hosts-test-secret"

@@ -11,16 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.hosts import AKV, Host, Lines, Network, akv_env, hosts
+from tests.hosts import AKV, Host, Lines, Network, akv_env, hosts, reset_after_each
 
 pytestmark = pytest.mark.slow
 
 two = hosts(2)
+ab = reset_after_each("two")  # the two hosts, reset after each test
 
 SECRET = "cut-test-secret"
 PER_REQUEST = 256  # 256 KiB blocks: 64 MiB requests
@@ -68,15 +68,6 @@ async def main():
         emit("after", seconds=r.seconds, path=r.path, ok=verify_request(kv, spec, 0, 1, local, reqs[1].seed))
 anyio.run(main)
 """
-
-
-@pytest.fixture
-def ab(two: Network) -> Iterator[Network]:
-    """The two hosts, with no process left running and no fault left on a link after the test."""
-    try:
-        yield two
-    finally:
-        two.reset()
 
 
 def env() -> dict[str, str]:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -24,8 +23,8 @@ from akv.geometry.layout import rank_layout
 from akv.packing import CacheViews, scatter
 from akv.runtime.paths.packed import WORKER_BYTES
 from akv.testing import fill_request, json_lines, make_requests, verify_request
-from tests.conftest import Engine, local_ids, make_spec, prefill_engine, wait_for
-from tests.test_paths import PAIRS
+from tests.conftest import Engine, decode_rank, make_spec, prefill_engine, prefill_rank, wait_for
+from tests.transfers import PULL_PAIRS, pull_every_request
 
 pytestmark = pytest.mark.anyio
 
@@ -33,15 +32,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def expose_all(engine: Engine, spec: Any, reqs: list[Any]) -> None:
-    """Fill and expose ``reqs`` on every rank of ``engine``."""
-    for req in reqs:
-        for prod in engine.producers:
-            tp = len(engine.producers)
-            fill_request(prod.kv_caches, spec, prod.tp_rank, tp, req.block_ids, req.seed, req.num_tokens)
-            prod.expose(req.request_id, req.block_ids)
 
 
 async def pull_all(
@@ -56,42 +46,19 @@ async def pull_all(
 ) -> tuple[list[akv.TransferResult], Engine]:
     """Pull ``requests`` requests on each of ``d`` decode ranks (the second after a one-block
     prefix hit) with ``transfer=mode``; verify every byte."""
-    reqs = make_requests(pspec, requests, 3, seed=11)
-    results = []
-    async with prefill_engine(pspec, p, **kw) as engine, AsyncExitStack() as stack:
-        expose_all(engine, pspec, reqs)
-        for r in range(d):
-            consumer = await stack.enter_async_context(
-                akv.Consumer(
-                    akv.allocate_kv_cache(dspec, r, d),
-                    dspec,
-                    tp_rank=r,
-                    tp_size=d,
-                    same_process="nixl",
-                    transfer=mode,
-                    **(consumer_kw or {}),
-                )
-            )
-            session = await consumer.connect(engine.endpoint)
-            for n, req in enumerate(reqs):
-                local = local_ids(dspec, n, req.num_tokens, hit=n % 2)
-                transfer_ = await session.pull(
-                    akv.PullRequest(
-                        request_id=req.request_id,
-                        local_block_ids=local,
-                        remote_block_ids=req.block_ids,
-                        num_tokens=req.num_tokens,
-                    )
-                )
-                results.append(await transfer_)
-                assert verify_request(
-                    consumer.kv_caches, dspec, r, d, local, req.seed, num_tokens=req.num_tokens
-                ), (req.request_id, r)
-        await wait_for(lambda: sum(engine.reasons.values()) >= p * requests, timeout=10)
-    return results, engine
+    return await pull_every_request(
+        pspec,
+        dspec,
+        p,
+        d,
+        lambda r: decode_rank(dspec, r, d, same_process="nixl", transfer=mode, **(consumer_kw or {})),
+        requests=requests,
+        seed=11,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PULL_PAIRS)
 async def test_packed_pulls_are_bit_exact(pspec: Any, dspec: Any, p: int, d: int) -> None:
     """A packed pull fills the decode cache bit-exact (every TP pairing, MLA, hybrid groups,
     mixed layouts and block sizes, a partial prefix hit), moving the bytes a direct one
@@ -123,15 +90,7 @@ class SlowPackedReads(NixlBackend):
 
 def consumer_for(spec: Any, mode: str, **kw: Any) -> akv.Consumer:
     """A one-rank decode engine reading through NIXL with ``transfer=mode``."""
-    return akv.Consumer(
-        akv.allocate_kv_cache(spec, 0, 1),
-        spec,
-        tp_rank=0,
-        tp_size=1,
-        same_process="nixl",
-        transfer=mode,
-        **kw,
-    )
+    return decode_rank(spec, same_process="nixl", transfer=mode, **kw)
 
 
 #: Bytes of a packed copy of a 3-block request of make_spec(kv_heads=4) on one rank: k and v,
@@ -161,7 +120,7 @@ async def test_auto_reads_directly_below_the_threshold() -> None:
         prefill_engine(spec, 1, transfer="packed") as engine,
         consumer_for(spec, "auto", pack_threshold=10_000) as consumer,
     ):
-        expose_all(engine, spec, reqs)
+        engine.expose_requests(reqs)
         session = await consumer.connect(engine.endpoint)
         result = await (await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids))
         assert result.path == "read"
@@ -175,7 +134,7 @@ async def test_a_full_pool_falls_back_to_direct_reads_and_frees_slots() -> None:
     spec = make_spec(kv_heads=4)
     reqs = make_requests(spec, 3, 3, seed=5)
     async with prefill_engine(spec, 1, transfer="packed", pack_pool_bytes=SLOT) as engine:
-        expose_all(engine, spec, reqs[:2])
+        engine.expose_requests(reqs[:2])
         producer = engine.producers[0]
         assert producer.metrics.counters["packed"] == 1 and producer.metrics.counters["pack_fallbacks"] == 1
         async with consumer_for(spec, "packed") as consumer:
@@ -188,7 +147,7 @@ async def test_a_full_pool_falls_back_to_direct_reads_and_frees_slots() -> None:
             assert [r.path for r in results] == ["packed", "read"]
             assert results[0].descriptors == 2 < results[1].descriptors  # k and v; the direct read's runs
         await wait_for(lambda: len(engine.reasons) == 2)
-        expose_all(engine, spec, reqs[2:])
+        engine.expose_requests(reqs[2:])
         assert producer.metrics.counters["packed"] == 2  # the freed slot took the next request
         async with consumer_for(spec, "packed", pack_staging_bytes=256) as consumer:
             session = await consumer.connect(engine.endpoint)
@@ -217,7 +176,7 @@ async def test_a_lease_expiring_mid_read_of_a_packed_copy_fails_the_pull() -> No
         backend.go.set()
         with pytest.raises(akv.LeaseExpiredError):
             await transfer
-        expose_all(engine, spec, reqs[1:])
+        engine.expose_requests(reqs[1:])
         result = await (await session.pull(reqs[1].request_id, [3, 4, 5], reqs[1].block_ids))
         assert result.path == "packed" and consumer.metrics.counters["unsafe_reads"] == 1
 
@@ -230,7 +189,7 @@ async def test_release_after_pack_hands_blocks_back_before_the_read() -> None:
     spec = make_spec(kv_heads=4)
     reqs = make_requests(spec, 2, 3, seed=13)
     async with prefill_engine(spec, 2, transfer="packed", release_after_pack=True) as engine:
-        expose_all(engine, spec, reqs)
+        engine.expose_requests(reqs)
         assert engine.reasons == Counter({(r.request_id, "packed"): 2 for r in reqs})
         for prod in engine.producers:  # the engine reuses the blocks for other requests
             for req in reqs:
@@ -330,7 +289,7 @@ async def test_concurrent_large_packed_pulls_scatter_off_the_event_loop_bit_exac
         prefill_engine(spec, 1, transfer="packed") as engine,
         consumer_for(spec, "packed", pack_staging_bytes=96 << 20) as consumer,
     ):
-        expose_all(engine, spec, reqs)
+        engine.expose_requests(reqs)
         session = await consumer.connect(engine.endpoint)
         pulls = []
         for n, (req, hit) in enumerate(zip(reqs, (0, 4), strict=True)):
@@ -367,7 +326,7 @@ async def test_a_timed_out_packed_pull_frees_its_staging_once() -> None:
             spec, "packed", backend=backend, pack_staging_bytes=SLOT, transfer_timeout=0.3
         ) as consumer,
     ):
-        expose_all(engine, spec, reqs)
+        engine.expose_requests(reqs)
         session = await consumer.connect(engine.endpoint)
 
         async def finish_reads() -> None:
@@ -420,7 +379,7 @@ async def test_a_packed_pull_failing_mid_post_keeps_its_staging_until_its_reads_
         prefill_engine(spec, 2, transfer="packed") as engine,
         consumer_for(spec, "packed", backend=backend, pack_staging_bytes=2 * slot) as consumer,
     ):
-        expose_all(engine, spec, reqs)
+        engine.expose_requests(reqs)
         session = await consumer.connect(engine.endpoint)
         failing = await session.pull(reqs[0].request_id, [0, 1, 2], reqs[0].block_ids)
         await wait_for(lambda: backend.refused == 1)
@@ -445,7 +404,7 @@ async def test_a_prefill_engine_on_auto_packs_only_fragmented_layouts(layout: st
     spec = make_spec(kv_heads=4, layout=layout)
     req = make_requests(spec, 1, 3, seed=23)[0]
     async with prefill_engine(spec, 1, transfer="auto") as engine, consumer_for(spec, "packed") as consumer:
-        expose_all(engine, spec, [req])
+        engine.expose_requests([req])
         if not packs:
             with pytest.raises(akv.IncompatiblePeerError, match="transfer"):
                 await consumer.connect(engine.endpoint)
@@ -481,27 +440,10 @@ def test_push_mode_and_packed_copies_exclude_each_other() -> None:
     pull only."""
     spec = make_spec(kv_heads=4)
     with pytest.raises(akv.ConfigError, match="mode='pull'"):
-        akv.Consumer(
-            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, mode="push", transfer="packed"
-        )
+        decode_rank(spec, mode="push", transfer="packed")
     with pytest.raises(akv.ConfigError, match="release_after_pack"):
-        akv.Producer(
-            akv.allocate_kv_cache(spec, 0, 1),
-            spec,
-            tp_rank=0,
-            tp_size=1,
-            transfer="packed",
-            release_after_pack=True,
-            modes=["pull", "push"],
-        )
-    producer = akv.Producer(
-        akv.allocate_kv_cache(spec, 0, 1),
-        spec,
-        tp_rank=0,
-        tp_size=1,
-        transfer="packed",
-        release_after_pack=True,
-    )
+        prefill_rank(spec, transfer="packed", release_after_pack=True, modes=["pull", "push"])
+    producer = prefill_rank(spec, transfer="packed", release_after_pack=True)
     assert producer.modes == ("pull",)
 
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 
 import akv
-from akv.testing import fetch_requests, fill_request, make_requests, verify_request
-from tests.conftest import Engine, local_ids, make_spec, prefill_engine, prefill_process, wait_for
+from akv.testing import fetch_requests, fill_request, verify_request
+from tests.conftest import make_spec, prefill_engine, prefill_process, wait_for
+from tests.transfers import PULL_PAIRS, pull_everything
 
 pytestmark = pytest.mark.anyio
 
@@ -27,102 +27,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def pull_everything(
-    pspec: Any,
-    dspec: Any,
-    p: int,
-    d: int,
-    same_process: str,
-    requests: int = 3,
-    inline: int = 128 << 20,
-    device: str = "cpu",
-    copy_with: str = "auto",
-    views: bool = False,
-) -> tuple[list[akv.TransferResult], Engine]:
-    """Expose ``requests`` requests on a P-rank engine, pull each on every one of D decode
-    ranks (every other one after a one-block prefix hit), verify every byte read."""
-    reqs = make_requests(pspec, requests, 3, seed=7)
-    results = []
-    async with prefill_engine(pspec, p, device=device) as engine, AsyncExitStack() as stack:
-        for req in reqs:
-            for prod in engine.producers:
-                fill_request(prod.kv_caches, pspec, prod.tp_rank, p, req.block_ids, req.seed, req.num_tokens)
-                prod.expose(req.request_id, req.block_ids)
-        for r in range(d):
-            consumer = await stack.enter_async_context(
-                akv.Consumer(
-                    (as_views if views else akv.allocate_kv_cache)(dspec, r, d, device=device),
-                    dspec,
-                    tp_rank=r,
-                    tp_size=d,
-                    same_process=same_process,
-                    copy_inline_bytes=inline,
-                    copy_with=copy_with,
-                )
-            )
-            session = await consumer.connect(engine.endpoint)
-            for n, req in enumerate(reqs):
-                local = local_ids(dspec, n, req.num_tokens, hit=n % 2)
-                transfer = await session.pull(
-                    akv.PullRequest(
-                        request_id=req.request_id,
-                        local_block_ids=local,
-                        remote_block_ids=req.block_ids,
-                        num_tokens=req.num_tokens,
-                    )
-                )
-                results.append(await transfer)
-                assert verify_request(
-                    consumer.kv_caches, dspec, r, d, local, req.seed, num_tokens=req.num_tokens
-                ), (req.request_id, r)
-        await wait_for(lambda: sum(engine.reasons.values()) == p * requests, timeout=10)
-    return results, engine
-
-
-PAIRS = [
-    pytest.param(make_spec(kv_heads=4), make_spec(kv_heads=4), 1, 2, id="dense-1to2"),
-    pytest.param(make_spec(kv_heads=4), make_spec(kv_heads=4), 2, 1, id="dense-2to1"),
-    pytest.param(make_spec(kv_heads=2), make_spec(kv_heads=2), 4, 2, id="gqa-replicas-4to2"),
-    pytest.param(make_spec(kv_heads=12), make_spec(kv_heads=12), 4, 6, id="dense-4to6"),
-    pytest.param(make_spec(mla=True), make_spec(mla=True), 2, 3, id="mla-2to3"),
-    pytest.param(
-        make_spec(kv_heads=4, layout="head-major", block_size=8),
-        make_spec(kv_heads=4, layout="NHD", block_size=4),
-        2,
-        1,
-        id="headmajor8-to-nhd4",
-    ),
-    pytest.param(
-        akv.preset("qwen3-next-80b", layers=4, blocks=32, dtype="float32", layout="head-major"),
-        akv.preset("qwen3-next-80b", layers=4, blocks=32, dtype="float32", block_size=32),
-        2,
-        1,
-        id="qwen3-next-hybrid",
-    ),
-    pytest.param(
-        akv.preset("gemma-3-27b", layers=3, blocks=32, dtype="float16"),
-        akv.preset("gemma-3-27b", layers=3, blocks=32, dtype="float16", layout="cross-layer"),
-        1,
-        2,
-        id="gemma3-sliding",
-    ),
-]
-
-
-def as_views(spec: Any, rank: int, size: int, device: str = "cpu") -> list[torch.Tensor]:
-    """The rank's regions as views into one buffer, each starting 2 bytes past an 8-byte
-    boundary (an engine's own tensors need not start where their storage does)."""
-    shapes = [(t.shape, t.dtype) for t in akv.allocate_kv_cache(spec, rank, size)]
-    sizes = [int(torch.empty(s, dtype=d).nbytes) for s, d in shapes]
-    buffer = torch.zeros(sum(sizes) + 2 * len(sizes) + 2, dtype=torch.uint8, device=device)
-    out, at = [], 2
-    for (shape, dtype), n in zip(shapes, sizes, strict=True):
-        out.append(buffer[at : at + n].view(dtype).view(shape))
-        at += n + 2
-    return out
-
-
-@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PULL_PAIRS)
 async def test_torch_copies_match_nixl_reads(pspec: Any, dspec: Any, p: int, d: int) -> None:
     """The GPU's way of copying (torch gathers and scatters over strided views), run on CPU
     tensors, moves exactly what NIXL reads move."""
@@ -140,7 +45,7 @@ async def test_copies_into_tensors_that_start_inside_their_storage(copy_with: st
     assert {r.path for r in results} == {"copy"}
 
 
-@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PULL_PAIRS)
 async def test_copy_path_matches_nixl_reads(pspec: Any, dspec: Any, p: int, d: int) -> None:
     """The copy path moves exactly the bytes NIXL reads move, with the same sizes and releases."""
     copied, eng_c = await pull_everything(pspec, dspec, p, d, "auto")

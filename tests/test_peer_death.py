@@ -18,10 +18,8 @@ import anyio
 import pytest
 
 import akv
-from akv.cli import build_parser
-from akv.cli.args import spec_from_args
 from akv.testing import fetch_requests, spawn_prefill, verify_request
-from tests.conftest import stop
+from tests.conftest import cli_spec, stop
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -58,8 +56,7 @@ anyio.run(main)
 
 
 def spec(blocks: int) -> akv.KVSpec:
-    args = ["decode", "--connect", "x:1", "--tp-size", "1", "--blocks", str(blocks), *GEOMETRY]
-    return spec_from_args(build_parser().parse_args(args))
+    return cli_spec("--blocks", str(blocks), *GEOMETRY)
 
 
 def env_of(transport: str) -> dict[str, str]:

@@ -23,7 +23,19 @@ import akv
 from akv.geometry.cache import as_cache
 from akv.protocol.push import PushNotice, encode_push
 from akv.testing import fill_request, make_requests, verify_request
-from tests.conftest import MODEL, local_ids, make_spec, prefill_engine, prefill_process, summary_of, wait_for
+from tests.conftest import (
+    MODEL,
+    Engine,
+    decode_rank,
+    local_ids,
+    make_spec,
+    prefill_engine,
+    prefill_process,
+    stop,
+    summary_of,
+    wait_for,
+)
+from tests.transfers import pairs, pull_request
 
 pytestmark = pytest.mark.anyio
 
@@ -31,9 +43,7 @@ pytestmark = pytest.mark.anyio
 def consumer(spec: Any, rank: int, size: int, **kw: Any) -> akv.Consumer:
     """A decode rank in push mode that reaches prefill ranks of this process through NIXL."""
     kw.setdefault("mode", "push")
-    return akv.Consumer(
-        akv.allocate_kv_cache(spec, rank, size), spec, tp_rank=rank, tp_size=size, same_process="nixl", **kw
-    )
+    return decode_rank(spec, rank, size, same_process="nixl", **kw)
 
 
 def written(kv: Sequence[torch.Tensor]) -> int:
@@ -41,40 +51,24 @@ def written(kv: Sequence[torch.Tensor]) -> int:
     return sum(bool(t.view(torch.uint8).any()) for t in kv)
 
 
-PAIRS = [
-    pytest.param(make_spec(kv_heads=4), make_spec(kv_heads=4), 1, 2, id="dense-1to2"),
-    pytest.param(make_spec(kv_heads=4), make_spec(kv_heads=4), 2, 1, id="dense-2to1"),
-    pytest.param(make_spec(kv_heads=2), make_spec(kv_heads=2), 4, 6, id="gqa-4to6"),
-    pytest.param(make_spec(mla=True), make_spec(mla=True), 2, 3, id="mla-2to3"),
-    pytest.param(
-        make_spec(kv_heads=4, layout="head-major", block_size=8),
-        make_spec(kv_heads=4, layout="NHD", block_size=4),
-        2,
-        1,
-        id="headmajor8-to-nhd4",
-    ),
-    pytest.param(
-        make_spec(kv_heads=4, layout="head-major"),
-        make_spec(kv_heads=4, layout="head-major"),
-        2,
-        1,
-        id="headmajor-runs-span-layers",
-    ),
-    pytest.param(
-        akv.preset("gemma-3-27b", layers=3, blocks=32, dtype="float16"),
-        akv.preset("gemma-3-27b", layers=3, blocks=32, dtype="float16", layout="cross-layer"),
-        1,
-        2,
-        id="gemma3-sliding",
-    ),
-    pytest.param(
-        akv.preset("qwen3-next-80b", layers=4, blocks=32, dtype="float32", layout="head-major"),
-        akv.preset("qwen3-next-80b", layers=4, blocks=32, dtype="float32", block_size=32),
-        2,
-        1,
-        id="qwen3-next-hybrid",
-    ),
-]
+async def pull_with_one_layer_ready(engine: Engine, c: akv.Consumer, req: Any) -> akv.Transfer:
+    """Write ``req`` on ``engine``'s one rank, expose it with only its first layer computed, and
+    start ``c``'s pull of it into blocks 0, 1, 2."""
+    engine.expose_requests([req], layers_ready=1)
+    session = await c.connect(engine.endpoint)
+    return await session.pull(req.request_id, [0, 1, 2], req.block_ids)
+
+
+PAIRS = pairs(
+    "dense-1to2",
+    "dense-2to1",
+    "gqa-4to6",
+    "mla-2to3",
+    "headmajor8-to-nhd4",
+    "headmajor-runs-span-layers",
+    "gemma3-sliding",
+    "qwen3-next-hybrid",
+)
 
 
 @pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
@@ -85,25 +79,14 @@ async def test_push_streams_layers_bit_exact(pspec: Any, dspec: Any, p: int, d: 
     layers = 1 + max(x for g in as_cache(pspec).groups for x in g.layers)
     reqs = make_requests(pspec, 2, 3, seed=11)
     async with prefill_engine(pspec, p) as engine, AsyncExitStack() as stack:
-        for req in reqs:
-            for prod in engine.producers:
-                fill_request(prod.kv_caches, pspec, prod.tp_rank, p, req.block_ids, req.seed, req.num_tokens)
-                prod.expose(req.request_id, req.block_ids, layers_ready=0)
+        engine.expose_requests(reqs, layers_ready=0)
         consumers = [await stack.enter_async_context(consumer(dspec, r, d)) for r in range(d)]
         sessions = [await c.connect(engine.endpoint) for c in consumers]
         for n, req in enumerate(reqs):
             pulls = []
             for c, s in zip(consumers, sessions, strict=True):
                 local = local_ids(dspec, n, req.num_tokens, hit=n % 2)
-                t = await s.pull(
-                    akv.PullRequest(
-                        request_id=req.request_id,
-                        local_block_ids=local,
-                        remote_block_ids=req.block_ids,
-                        num_tokens=req.num_tokens,
-                    )
-                )
-                pulls.append((c, local, t))
+                pulls.append((c, local, await s.pull(pull_request(req, local))))
             for ready in range(1, layers + 1):
                 await anyio.sleep(0.02)
                 assert not any(t.done() for _, _, t in pulls), f"done with {ready - 1} of {layers} layers"
@@ -129,10 +112,7 @@ async def test_first_layer_lands_before_the_last_is_ready() -> None:
     (req,) = make_requests(spec, 1, 3, seed=3)
     async with prefill_engine(spec, 1) as engine, consumer(spec, 0, 1) as c:
         prod = engine.producers[0]
-        fill_request(prod.kv_caches, spec, 0, 1, req.block_ids, req.seed, req.num_tokens)
-        prod.expose(req.request_id, req.block_ids, layers_ready=1)
-        session = await c.connect(engine.endpoint)
-        t = await session.pull(req.request_id, [0, 1, 2], req.block_ids)
+        t = await pull_with_one_layer_ready(engine, c, req)
         await wait_for(lambda: written(c.kv_caches) == 2)  # layer 0's K and V regions
         await anyio.sleep(0.1)
         assert written(c.kv_caches) == 2 and not t.done()
@@ -148,10 +128,7 @@ async def test_runs_spanning_layers_wait_for_their_last_layer() -> None:
     (req,) = make_requests(spec, 1, 3, seed=6)
     async with prefill_engine(spec, 1) as engine, consumer(spec, 0, 1) as c:
         prod = engine.producers[0]
-        fill_request(prod.kv_caches, spec, 0, 1, req.block_ids, req.seed, req.num_tokens)
-        prod.expose(req.request_id, req.block_ids, layers_ready=1)
-        session = await c.connect(engine.endpoint)
-        t = await session.pull(req.request_id, [0, 1, 2], req.block_ids)
+        t = await pull_with_one_layer_ready(engine, c, req)
         await anyio.sleep(0.2)
         assert written(c.kv_caches) == 0 and not t.done()
         prod.layers_ready(req.request_id, 2)
@@ -185,10 +162,7 @@ async def test_cancel_waits_for_writers_and_nothing_lands_after() -> None:
     (req,) = make_requests(spec, 1, 3, seed=5)
     async with prefill_engine(spec, 1) as engine, consumer(spec, 0, 1) as c:
         prod = engine.producers[0]
-        fill_request(prod.kv_caches, spec, 0, 1, req.block_ids, req.seed, req.num_tokens)
-        prod.expose(req.request_id, req.block_ids, layers_ready=1)
-        session = await c.connect(engine.endpoint)
-        t = await session.pull(req.request_id, [0, 1, 2], req.block_ids)
+        t = await pull_with_one_layer_ready(engine, c, req)
         await wait_for(lambda: written(c.kv_caches) == 2)
         await t.cancel()
         with pytest.raises(akv.errors.TransferCancelledError):
@@ -320,11 +294,7 @@ async def test_writer_crash_mid_request_fails_typed_after_the_writer_is_gone() -
             assert c.metrics.snapshot().counters["push_stops_unconfirmed"] == 1
             assert session.broken  # the writer's agent is gone: the next pull links again
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        stop(proc)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -13,7 +13,8 @@ import akv
 import akv.backends.nixl
 from akv.backends import XferHandle, XferState
 from akv.backends.nixl import NixlBackend
-from tests.conftest import decode_engine, make_spec, prefill_engine, verify, wait_for
+from tests.conftest import decode_engine, decode_rank, make_spec, prefill_engine, verify, wait_for
+from tests.transfers import HeldBackend
 
 pytestmark = pytest.mark.anyio
 
@@ -280,28 +281,14 @@ async def test_exhausted_check_slots_are_back_pressure_not_a_broken_link() -> No
         assert consumer.metrics.counters["handshakes"] == 1
 
 
-class HeldBackend(NixlBackend):
-    """The real backend, reporting every transfer as still running until ``hold_until``."""
-
-    hold_until = 0.0
-
-    def state(self, handle: XferHandle) -> XferState:
-        if time.monotonic() < self.hold_until:
-            return "PROC"
-        return super().state(handle)
-
-
 async def test_heartbeats_renew_with_the_exposures_own_lease() -> None:
     """A request exposed with a 0.4 s lease (the engine's default: 30 s) whose pull takes
     1.5 s stays pinned: the consumer heartbeats every third of the exposure's own lease, the
     pull verifies and the request is released by read, not by lease."""
     spec = make_spec()
     async with prefill_engine(spec, 1, lease=30) as engine:
-        backend = HeldBackend("held-d0")
-        kv = akv.allocate_kv_cache(spec, 0, 1)
-        async with akv.Consumer(
-            kv, spec, tp_rank=0, tp_size=1, backend=backend, same_process="nixl"
-        ) as consumer:  # the read is held in NIXL's hands
+        backend = HeldBackend("held-d0")  # the read is held in NIXL's hands
+        async with decode_rank(spec, backend=backend, same_process="nixl") as consumer:
             session = await consumer.connect(engine.endpoint)
             engine.fill("r", [1, 2], seed=4, lease=0.4)
             backend.hold_until = time.monotonic() + 1.5
@@ -325,11 +312,8 @@ async def test_a_pull_is_bound_to_the_exposure_it_started_under() -> None:
     new generation then reads bit-exact."""
     spec = make_spec()
     async with prefill_engine(spec, 1, lease=30) as engine:
-        backend = HeldBackend("held-gen-d0")
-        kv = akv.allocate_kv_cache(spec, 0, 1)
-        async with akv.Consumer(
-            kv, spec, tp_rank=0, tp_size=1, backend=backend, same_process="nixl"
-        ) as consumer:  # the read is held in NIXL's hands
+        backend = HeldBackend("held-gen-d0")  # the read is held in NIXL's hands
+        async with decode_rank(spec, backend=backend, same_process="nixl") as consumer:
             session = await consumer.connect(engine.endpoint)
             old = engine.fill("r", [1, 2], seed=1, lease=0.2)
             backend.hold_until = time.monotonic() + 1.0

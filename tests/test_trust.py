@@ -18,20 +18,13 @@ import pytest
 from anyio.abc import SocketStream
 
 import akv
-from akv.cli import build_parser
-from akv.cli.args import spec_from_args
 from akv.protocol.messages import PROTOCOL_VERSION, Hello, encode_frame
 from akv.testing import fetch_requests
-from tests.conftest import MODEL, make_spec, prefill_engine, prefill_process, verify
+from tests.conftest import MODEL, cli_spec, make_spec, prefill_engine, prefill_process, verify
 
 pytestmark = pytest.mark.anyio
 
 Mutate = Callable[[str, int, dict[str, Any]], dict[str, Any] | None]
-
-
-def decode_spec(endpoint: str) -> akv.KVSpec:
-    args = ["decode", "--connect", endpoint, "--tp-size", "1", "--kv-heads", "4", *MODEL]
-    return spec_from_args(build_parser().parse_args(args))
 
 
 class Relay:
@@ -112,7 +105,7 @@ async def test_relay_altering_any_handshake_message_is_refused(anyio_backend: st
     that rewrites any one field of any handshake message (Hello, Challenge, MetadataRequest,
     Metadata) makes the handshake fail with AuthenticationError; the untouched relay works."""
     with prefill_process(1, 4, "--secret", "k", requests=2) as (_proc, endpoint):
-        spec = decode_spec(endpoint)
+        spec = cli_spec("--kv-heads", "4", *MODEL)
         reqs = await fetch_requests(endpoint, spec, "k", "d-relay")
         async with (
             akv.Consumer(
@@ -155,7 +148,8 @@ def test_empty_secret_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) 
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def raw_hello(**overrides: object) -> bytes:
+def hello_of(**overrides: object) -> Hello:
+    """A Hello from rank 0 of 1 of engine "intruder" on `make_spec`'s cache, with ``overrides``."""
     spec = make_spec()
     fields: dict[str, object] = dict(
         engine_id="intruder",
@@ -166,7 +160,11 @@ def raw_hello(**overrides: object) -> bytes:
         nonce=b"n" * 16,
     )
     fields.update(overrides)
-    return encode_frame(Hello(**fields))  # type: ignore[arg-type]
+    return Hello(**fields)  # type: ignore[arg-type]
+
+
+def raw_hello(**overrides: object) -> bytes:
+    return encode_frame(hello_of(**overrides))
 
 
 def unbounded_hello(tp_size: int) -> bytes:
@@ -182,7 +180,7 @@ async def test_slow_loris_cannot_lock_out_a_real_decode(anyio_backend: str) -> N
     that trickle a byte every 0.4 s: a real decode still handshakes and pulls during the
     attack, and a trickling connection is cut at the handshake deadline, not kept alive."""
     with prefill_process(1, 4, "--secret", "k", requests=2) as (proc, endpoint):
-        spec = decode_spec(endpoint)
+        spec = cli_spec("--kv-heads", "4", *MODEL)
         host, port = endpoint.rsplit(":", 1)
         hello = raw_hello()
         idle: list[socket.socket] = []
@@ -268,14 +266,7 @@ async def test_busy_server_is_retried_within_connect_timeout() -> None:
             from akv.runtime.control import client_handshake
 
             ep = server.endpoint
-            hello = Hello(
-                engine_id="holder",
-                tp_rank=0,
-                tp_size=1,
-                spec=spec.to_cache(),
-                compat=spec.compat_hash(),
-                nonce=b"h" * 16,
-            )
+            hello = hello_of(engine_id="holder", nonce=b"h" * 16)
             holder = await authenticate_and_hold(ep, hello, b"s")
             assert server.active == 1 and server.unauthenticated == 0
             hello2 = msgspec.structs.replace(hello, engine_id="waiter")

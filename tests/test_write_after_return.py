@@ -7,22 +7,19 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
 import torch
 
 import akv
-from akv.backends import XferHandle, XferState
-from akv.backends.nixl import NixlBackend
-from akv.cli import build_parser
-from akv.cli.args import spec_from_args
 from akv.errors import PeerLostError
 from akv.protocol.messages import RequestInfo
 from akv.testing import fetch_requests, spawn_prefill, verify_request
-from tests.conftest import make_spec, prefill_engine, stop
+from tests.conftest import cli_spec, decode_rank, make_spec, prefill_engine, stop
+from tests.transfers import HeldBackend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -70,8 +67,18 @@ def over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def spec() -> akv.KVSpec:
-    args = ["decode", "--connect", "x:1", "--tp-size", "1", "--blocks", str(BLOCKS), *GEOMETRY]
-    return spec_from_args(build_parser().parse_args(args))
+    return cli_spec("--blocks", str(BLOCKS), *GEOMETRY)
+
+
+@asynccontextmanager
+async def reader(
+    endpoint: str,
+) -> AsyncIterator[tuple[list[RequestInfo], list[torch.Tensor], akv.Consumer, akv.TransferSession]]:
+    """The requests the engine at ``endpoint`` announced, and a one-rank decode engine reading
+    them (pull mode, through NIXL): its regions, itself, and its session to the engine."""
+    reqs = await fetch_requests(endpoint, spec(), None, "w")
+    async with decode_rank(spec(), same_process="nixl", mode="pull") as consumer:
+        yield reqs, consumer.kv_caches, consumer, await consumer.connect(endpoint)
 
 
 def local_ids(slot: int) -> list[int]:
@@ -110,11 +117,7 @@ async def test_stalled_peer_timeout_leaves_blocks_alone(prefill: tuple[subproces
     plus a few seconds, and nothing of it lands after that, even once the peer resumes; a
     second session to the engine (sharing its remote agent) pulls bit-exact afterwards."""
     proc, endpoint = prefill
-    s = spec()
-    reqs = await fetch_requests(endpoint, s, None, "w")
-    kv = akv.allocate_kv_cache(s, 0, 1)
-    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl", mode="pull") as consumer:
-        session = await consumer.connect(endpoint)
+    async with reader(endpoint) as (reqs, kv, consumer, session):
         other = await consumer.connect(endpoint.replace("127.0.0.1", "localhost"))
         assert other is not session and other.agents == session.agents
         t = await session.pull(reqs[0].request_id, local_ids(0), reqs[0].block_ids, transfer_timeout=1.0)
@@ -129,18 +132,14 @@ async def test_stalled_peer_timeout_leaves_blocks_alone(prefill: tuple[subproces
         await settle_then_check(proc, consumer, session, reqs, kv, local_ids(0))
         r = reqs[6]
         await (await other.pull(r.request_id, local_ids(6), r.block_ids, transfer_timeout=30))
-        assert verify_request(kv, s, 0, 1, local_ids(6), r.seed)
+        assert verify_request(kv, spec(), 0, 1, local_ids(6), r.seed)
 
 
 async def test_closed_session_leaves_blocks_alone(prefill: tuple[subprocess.Popen[str], str]) -> None:
     """Closing a session mid-transfer (peer stopped) fails its pull with ClosedError; once
     aclose returns, nothing of the pull lands, even once the peer resumes."""
     proc, endpoint = prefill
-    s = spec()
-    reqs = await fetch_requests(endpoint, s, None, "w")
-    kv = akv.allocate_kv_cache(s, 0, 1)
-    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl", mode="pull") as consumer:
-        session = await consumer.connect(endpoint)
+    async with reader(endpoint) as (reqs, kv, consumer, session):
         t = await session.pull(reqs[1].request_id, local_ids(1), reqs[1].block_ids, transfer_timeout=30)
         os.kill(proc.pid, signal.SIGSTOP)
         await anyio.sleep(0.2)
@@ -155,37 +154,13 @@ async def test_closed_session_leaves_blocks_alone(prefill: tuple[subprocess.Pope
 async def test_short_timeout_leaves_blocks_alone(prefill: tuple[subprocess.Popen[str], str]) -> None:
     """A timeout shorter than the transfer (no signal): once the pull raises, nothing of it lands."""
     proc, endpoint = prefill
-    s = spec()
-    reqs = await fetch_requests(endpoint, s, None, "w")
-    kv = akv.allocate_kv_cache(s, 0, 1)
-    async with akv.Consumer(kv, s, tp_rank=0, tp_size=1, same_process="nixl", mode="pull") as consumer:
-        session = await consumer.connect(endpoint)
+    async with reader(endpoint) as (reqs, kv, consumer, session):
         t = await session.pull(reqs[2].request_id, local_ids(2), reqs[2].block_ids, transfer_timeout=0.002)
         with pytest.raises(akv.TransferTimeout):
             with anyio.fail_after(10):
                 await t
         poison(kv, local_ids(2))
         await settle_then_check(proc, consumer, session, reqs, kv, local_ids(2))
-
-
-class HeldBackend(NixlBackend):
-    """The real agent, reporting every transfer running until ``hold_until`` (a read NIXL
-    cannot confirm finished), and failing the ``fail_post``-th post (counting from 1)."""
-
-    hold_until = 0.0
-    fail_post = 0
-    posts = 0
-
-    def state(self, handle: XferHandle) -> XferState:
-        if time.monotonic() < self.hold_until:
-            return "PROC"
-        return super().state(handle)
-
-    def read(self, *args: Any, **kwargs: Any) -> XferHandle:
-        self.posts += 1
-        if self.posts == self.fail_post:
-            raise PeerLostError("injected: posting failed")
-        return super().read(*args, **kwargs)
 
 
 async def test_reads_nixl_reports_running_hold_back_the_error() -> None:
@@ -197,8 +172,7 @@ async def test_reads_nixl_reports_running_hold_back_the_error() -> None:
         engine.fill("a", [1, 2], seed=1)
         engine.fill("b", [3, 4], seed=2)
         backend = HeldBackend("held-war-d0")
-        kv = akv.allocate_kv_cache(spec, 0, 1)
-        async with akv.Consumer(kv, spec, tp_rank=0, tp_size=1, backend=backend, same_process="nixl", mode="pull") as c:
+        async with decode_rank(spec, backend=backend, same_process="nixl", mode="pull") as c:
             session = await c.connect(engine.endpoint)
             backend.hold_until = time.monotonic() + 1.0
             t = await session.pull("a", [0, 1], [1, 2], transfer_timeout=0.1)
