@@ -37,8 +37,8 @@ async def test_vram_copy_path_in_one_process(pspec: Any, dspec: Any, p: int, d: 
     """Prefill and decode ranks of one process on the GPU: the copy path, bit-exact, released by read."""
     results, engine = await pull_everything(pspec, dspec, p, d, "auto", device="cuda")
     assert {r.path for r in results} == {"copy"}
-    assert {reason for _, reason in engine.releases} == {"read"}
-    assert set(engine.releases.values()) == {p}
+    assert {reason for _, reason in engine.reasons} == {"read"}
+    assert set(engine.reasons.values()) == {p}
 
 
 def _model_argv(spec: Any) -> list[str]:

@@ -45,7 +45,7 @@ async def main():
                             transfer_timeout=3.0) as c:
         session = await c.connect(endpoint)
         t = await session.pull(rid, list(range(len(blocks))), blocks)
-        print(json.dumps({"event": "posted", "path_mode": c.mode}), flush=True)
+        print(json.dumps({"event": "posted", "mode": session.mode}), flush=True)
         try:
             r = await t
             print(json.dumps({"event": "done", "seconds": r.seconds}), flush=True)
@@ -138,7 +138,9 @@ async def test_decode_dying_mid_transfer_leaves_prefill_serving(transport_env: s
             victim = decode_process(endpoint, reqs[2 * k], mode, transport)
             try:
                 try:
-                    assert next_event(victim)["event"] == "posted"
+                    posted = next_event(victim)
+                    assert posted["event"] == "posted"
+                    assert posted["mode"] == (mode or "push"), posted  # over TCP the default pushes
                 except AssertionError:
                     assert proc.poll() is None, f"round {k}: the prefill died ({proc.returncode})"
                     raise
