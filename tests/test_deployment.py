@@ -270,7 +270,9 @@ def stop_engine(ranks: dict[int, Proc], timeout: float = 30) -> dict[int, dict[s
 
 def decode_cli(c: Host, boot: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """`akv decode` (D=2, the fan-out parent) on host C; returns its summary and all it printed."""
-    argv = [*AKV, "decode", "--connect", boot, "--tp-size", "2", *HOST_MODEL, "--secret", SECRET, "--json"]
+    # reads between the hosts: pull, which the default would not pick there (it pushes over TCP)
+    argv = [*AKV, "decode", "--connect", boot, "--tp-size", "2", *HOST_MODEL, "--secret", SECRET, "--mode", "pull",
+            "--json"]  # fmt: skip
     res = c.run(argv, env=env or akv_env(), timeout=120)
     summary = last_json(res.stdout)
     assert res.returncode == 0, (summary, res.stderr[-3000:])
@@ -322,9 +324,9 @@ async def main():
     requests = await fetch_requests(boot, spec, secret, "decode-faults")
     pulls = []
     async with akv.Consumer(akv.allocate_kv_cache(spec, 0, 2), spec, tp_rank=0, tp_size=2,
-                            engine_id="decode-faults", secret=secret, transfer_timeout=timeout) as c0, \
+                            engine_id="decode-faults", secret=secret, transfer_timeout=timeout, mode="pull") as c0, \
                akv.Consumer(akv.allocate_kv_cache(spec, 1, 2), spec, tp_rank=1, tp_size=2,
-                            engine_id="decode-faults", secret=secret, transfer_timeout=timeout) as c1:
+                            engine_id="decode-faults", secret=secret, transfer_timeout=timeout, mode="pull") as c1:
         consumers = [c0, c1]
         sessions = [await c.connect(boot) for c in consumers]
 

@@ -51,8 +51,9 @@ def start_prefill(host: Host, *extra: str, env: dict[str, str] | None = None) ->
 
 def run_decode(host: Host, endpoint: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """``akv decode`` on ``host`` against ``endpoint``; returns (its summary, all it printed)."""
+    # these tests read between the hosts: pull, which the default would not pick there
     argv = [*AKV, "decode", "--tp-size", "1", "--kv-heads", "4", *MODEL, "--connect", endpoint,
-            "--secret", SECRET, "--json"]  # fmt: skip
+            "--secret", SECRET, "--mode", "pull", "--json"]  # fmt: skip
     res = host.run(argv, env=env or akv_env(), timeout=90)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"decode printed no JSON (exit {res.returncode}): {res.stdout[-2000:]}{res.stderr[-2000:]}"

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.anyio
         (False, {"UCX_TLS": "rc,tcp"}, ["mlx5_0"], False),
         (False, {"UCX_TLS": "tcp,cma"}, ["mlx5_0"], True),  # UCX may use no RDMA transport
         (False, {"UCX_TLS": "^tcp"}, ["mlx5_0"], False),  # an exclusion list keeps RDMA
+        (False, {"UCX_TLS": "all"}, ["mlx5_0"], False),
+        (False, {"UCX_TLS": "all"}, [], True),
     ],
 )
 def test_reads_over_tcp(here: bool, env: dict[str, str], devices: list[str], expected: bool) -> None:
@@ -64,3 +66,28 @@ async def test_packed_transfers_always_pull() -> None:
     assert akv.Consumer(kv, spec, tp_rank=0, tp_size=1, transfer="packed").mode == "pull"
     with pytest.raises(akv.ConfigError, match="'pull', 'push' or 'auto'"):
         akv.Consumer(kv, spec, tp_rank=0, tp_size=1, mode="sideways")
+
+
+@pytest.mark.parametrize("modes,expected", [(("pull", "push"), "push"), (("pull",), "pull")])
+async def test_default_mode_pushes_to_another_host_unless_the_engine_serves_only_pull(
+    monkeypatch: pytest.MonkeyPatch, modes: tuple[str, ...], expected: str
+) -> None:
+    """With the engine taken for another host (no RDMA device here: this machine has none),
+    the default session pushes, and its pulls take the push path bit for bit; an engine that
+    serves only pull is pulled from (and the choice is logged) rather than refused."""
+    import akv.runtime.finder
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.setattr(akv.runtime.finder, "host_is_here", lambda host: False)
+    spec = make_spec(num_blocks=8)
+    async with (
+        akv.Producer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, modes=modes) as producer,
+        akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, same_process="nixl") as consumer,
+    ):
+        producer.kv_caches[0][1].fill_(7)
+        producer.expose("r", [1])
+        session = await consumer.connect(str(producer.endpoint))
+        assert session.mode == expected
+        result = await (await session.pull("r", [2], [1]))
+        assert result.path == ("push" if expected == "push" else "read")
+        assert bool((consumer.kv_caches[0][2] == 7).all())

@@ -112,7 +112,8 @@ def reads_over_tcp(
     if here:
         return False
     tls = [t.strip() for t in env.get("UCX_TLS", "").split(",") if t.strip()]
-    if tls and not tls[0].startswith("^") and not any(t.startswith(_RDMA_TLS) for t in tls):
+    listed = tls and not tls[0].startswith("^") and "all" not in tls  # else nothing is ruled out
+    if listed and not any(t.startswith(_RDMA_TLS) for t in tls):
         return True
     return not (rdma_devices() if devices is None else devices)
 

@@ -104,7 +104,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
         dtype: element type, one of ``DTYPE_SIZES``.
         layout: ``"HND"``, ``"NHD"``, ``"cross-layer"``, ``"head-major"``, or an axis order
             describing an engine's own tensors (``"comp,block,token,unit,elem"``; see
-            [`parse_axes`][akv.geometry.layout.parse_axes]).
+            [`parse_axes`][akv.geometry.axes.parse_axes]).
         joint_kv: per-layer layouts: all components in one region per layer.
     """
 

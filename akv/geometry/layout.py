@@ -9,7 +9,7 @@ component of a group is *placed* by strides, in bytes::
 and one unit of one token is ``run`` contiguous bytes. The plan only ever uses placements,
 so any layout expressible by strides works, including an engine's own tensors: a group's
 ``layout`` may be an axis order such as ``"comp,block,token,unit,elem"`` (vLLM's per-layer
-``[2, num_blocks, block_size, heads, dim]``), see [`parse_axes`][akv.geometry.layout.parse_axes].
+``[2, num_blocks, block_size, heads, dim]``), see [`parse_axes`][akv.geometry.axes.parse_axes].
 
 Layouts of token groups (``lu`` local units, ``bs`` tokens per block, ``e`` unit elements,
 ``C`` components, ``L`` layers), region shapes:

@@ -268,6 +268,12 @@ class Consumer(RankBase):
             self.staging, self.directories = staging, directories
 
     def _teardown(self) -> None:
+        try:
+            self._settle_all()
+        finally:
+            self._poller.closed = True  # a pull still settling returns, whatever happened here
+
+    def _settle_all(self) -> None:
         backend = self.backend_or_none
         poller = self._poller
         if backend is not None and poller.lingering(time.monotonic()):
@@ -347,12 +353,12 @@ class Consumer(RankBase):
             raise ClosedError("the consumer is not running")
         address = parse_engine_address(endpoint)
         key = str(address)
+        for gone in [k for k, s in self._sessions.items() if s.closed]:  # closed by their owners
+            del self._sessions[gone]
         while True:
             session = self._sessions.get(key)
             if session is not None and not session.closed:
                 return session
-            if session is not None:  # closed by its owner: forget it
-                del self._sessions[key]
             pending = self._connecting.get(key)
             if pending is None:
                 break

@@ -17,7 +17,7 @@ import anyio
 import msgspec
 
 from akv.backends import host_is_here, reads_over_tcp
-from akv.errors import AkvError, EngineChangedError, HandshakeError, MissingRanksError
+from akv.errors import AkvError, EngineChangedError, HandshakeError, IncompatiblePeerError, MissingRanksError
 from akv.protocol.address import (
     BootstrapAddress,
     Endpoint,
@@ -44,8 +44,11 @@ class EngineFinder:
     one, are refused with [`EngineChangedError`][akv.errors.EngineChangedError].
     """
 
-    def __init__(self, rank: DecodeRank, address: EngineAddress, needed: Callable[[int], set[int]]) -> None:
+    def __init__(
+        self, rank: DecodeRank, address: EngineAddress, needed: Callable[[int], set[int]], log: Any
+    ) -> None:
         self.rank = rank
+        self.log = log
         self.address = address
         self.needed = needed
         self.engine_id = ""  # set by whoever links the ranks found
@@ -54,6 +57,7 @@ class EngineFinder:
         #: the session's mode, "pull" or "push": the rank's, or for a rank in "auto", chosen
         #: before the first handshake from where the engine is (see `choose_mode`)
         self.mode: str | None = None if rank.mode == "auto" else rank.mode
+        self._auto_push = False  # push chosen by "auto", not confirmed by a handshake yet
 
     async def choose_mode(self, endpoints: Iterable[Endpoint]) -> None:
         """A rank in mode "auto": push when UCX would serve this session's READs over TCP (the
@@ -62,11 +66,18 @@ class EngineFinder:
         the prefill ranks learn the mode from it."""
         if self.mode is not None:
             return
-        hosts = sorted({ep.host for ep in endpoints})
         here = True
-        for host in hosts:
-            here = here and await anyio.to_thread.run_sync(host_is_here, host)
+        for host in sorted({ep.host for ep in endpoints}):
+            found = False  # a name that does not resolve within connect_timeout: not here
+            with anyio.move_on_after(self.rank.connect_timeout):
+                found = await anyio.to_thread.run_sync(host_is_here, host, abandon_on_cancel=True)
+            here = here and found
         self.mode = "push" if self.rank.transfer != "packed" and reads_over_tcp(here) else "pull"
+        self._auto_push = self.mode == "push"
+
+    def forget(self) -> None:
+        """Drop what discovery holds (the session closed)."""
+        self._registry = None
 
     def hello(self) -> Hello:
         """This decode rank's Hello (push mode: with its agent and regions, for the writers)."""
@@ -109,7 +120,27 @@ class EngineFinder:
         )
 
     async def fetch(self, ranks: set[int] | None) -> tuple[Challenge, dict[int, RankInfo]]:
-        """Find the endpoints of ``ranks`` (None: every rank needed) and handshake with them."""
+        """Find the endpoints of ``ranks`` (None: every rank needed) and handshake with them.
+
+        Push chosen by mode "auto" and refused by an engine that serves only pull: pull from
+        it (logged: over TCP a reader dying mid-READ can crash that engine, see
+        docs/operations.md#peer-death-over-tcp)."""
+        try:
+            found = await self._fetch(ranks)
+        except IncompatiblePeerError as exc:
+            if not self._auto_push or "mode" not in exc.fields:
+                raise
+            self.log.warning(
+                "the prefill engine serves only pull: pulling from it over TCP (a decode rank dying "
+                "mid-read can crash it; serve push there, see docs/operations.md#peer-death-over-tcp)",
+                error=str(exc),
+            )
+            self.mode, self._auto_push = "pull", False
+            found = await self._fetch(ranks)
+        self._auto_push = False  # the engine took the mode: it stays
+        return found
+
+    async def _fetch(self, ranks: set[int] | None) -> tuple[Challenge, dict[int, RankInfo]]:
         addr = self.address
         infos: dict[int, RankInfo] = {}
         challenges: list[Challenge] = []

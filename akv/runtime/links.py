@@ -12,7 +12,6 @@ session about a rank it lost through the ``on_lost`` callable it is handed.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,7 @@ from akv import exposure
 from akv.errors import (
     AkvError,
     BackPressureError,
+    ClosedError,
     IncompatiblePeerError,
     PeerLostError,
     TransferError,
@@ -33,9 +33,7 @@ from akv.errors import (
 )
 from akv.geometry.cache import CacheSpec
 from akv.plan import RankMemory, TransferPlan
-from akv.protocol.address import (
-    EngineAddress,
-)
+from akv.protocol.address import EngineAddress
 from akv.protocol.messages import Challenge, Notice, RankInfo, encode_notice
 from akv.protocol.push import PushNotice, encode_push
 from akv.runtime import local
@@ -45,9 +43,6 @@ from akv.runtime.paths import packed
 from akv.runtime.paths.copy import CopyPlan
 from akv.runtime.paths.read import RankCheck
 from akv.runtime.rank import DecodeRank
-
-if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
-    pass
 
 if TYPE_CHECKING:
     from akv.metrics import Metrics
@@ -101,7 +96,8 @@ class EngineLinks:
         self.metrics: Metrics = rank.metrics
         self.log = log
         self.address = address
-        self.finder = EngineFinder(rank, address, self.needed)
+        self.finder = EngineFinder(rank, address, self.needed, log)
+        self.closed = False  # unloaded: nothing is linked again
         self.remote_spec: CacheSpec | None = None
         self.prefill_tp = 0
         self.lease_s = 0.0
@@ -170,6 +166,8 @@ class EngineLinks:
             await self._install_locked(ch, infos)
 
     async def _install_locked(self, ch: Challenge, infos: dict[int, RankInfo]) -> None:
+        if self.closed:
+            raise ClosedError("the session is closed")
         c = self.rank
         if c.same_process == "copy":
             elsewhere = sorted(r for r, i in infos.items() if local.find(i) is None)
@@ -302,6 +300,9 @@ class EngineLinks:
             self.copier.remote.pop(link.rank, None)
 
     def unload(self) -> None:
+        """Forget every link and the plan (the session closed); nothing is linked again."""
+        self.closed = True
+        self.finder.forget()
         for link in self.links.values():
             self._drop(link)
         self.links.clear()
@@ -433,8 +434,8 @@ class EngineLinks:
                 self.links[r].broken = True
         while lost := [r for r in plan.notify if self.links[r].broken or self.links[r].loading]:
             await self.relink(lost)  # other ranks may be re-linking meanwhile: look again after
-            if self.plan is None:
-                break
+            if self.plan is None or self.closed:
+                raise ClosedError("the session is closed")
             plan = self.plan
         return plan
 

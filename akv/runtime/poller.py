@@ -62,8 +62,10 @@ class PullPoller:
         checks: the exposure-check pool (notices are flushed behind with one of its slots).
         metrics, log, backoff: the rank's.
         settle_timeout: seconds reads NIXL cannot cancel may hold a failed pull before
-            ``replace_agent`` is awaited (None: this rank may not replace its agent).
+            ``replace_agent`` is awaited.
         stop_grace_s: push mode: seconds writers have to confirm a stop.
+        replace_agent: destroys the rank's agent and starts a fresh one (None, or ``start``
+            with ``may_replace=False``: the agent is never replaced).
     """
 
     def __init__(
@@ -147,11 +149,20 @@ class PullPoller:
 
     async def stop_pushes(self) -> None:
         """Closing: fail the push pulls in flight and wait (up to ``stop_grace_s``) until
-        their writers stopped, while the poller still runs."""
+        their writers stopped, while the poller still runs. Reads are left to the close (it
+        destroys the agent), so no agent is replaced on the way out."""
+        pushes = [t for _state, t in self._tracker if isinstance(t.op, PushOp)]
+        pushes += [t for t in self._stopping if t not in pushes]
+        if not pushes:
+            return
         with anyio.CancelScope(shield=True):
-            self.fail_all(ClosedError("the consumer was closed"))
+            error = ClosedError("the consumer was closed")
+            for transfer in pushes:
+                self.fail(transfer, error)
             with anyio.move_on_after(self.stop_grace_s + 1):
-                await self.settled()
+                for transfer in pushes:
+                    with contextlib.suppress(AkvError):
+                        await transfer.wait()
 
     # -- what sessions use ------------------------------------------------------------------
 

@@ -225,7 +225,7 @@ class TransferSession:
         """The path a prepared request takes: ``"packed"`` where the consumer's ``transfer``
         picks the prefill ranks' packed copies, else ``"copy"`` if every prefill rank it reads
         from lives in this process (and the consumer allows it), else ``"push"`` for a
-        consumer in push mode, else ``"read"`` (a packed pull may still fall back to direct
+        session in push mode, else ``"read"`` (a packed pull may still fall back to direct
         reads, when a prefill rank kept no copy of the request)."""
         copier = self._copier_for(prepared)
         if self._packs(prepared, copier):

@@ -1,15 +1,15 @@
 """Transfer paths: how the bytes of one pull move.
 
-A path is chosen per request by the session when it plans the pull; the session then drives
-the path's [`PathOp`][akv.runtime.paths.PathOp] (through the consumer's poller) and settles
-the pull from what the op reports. A path never reaches back into the session or the
+A path is chosen per request by the session when it plans the pull; the decode rank's
+poller (`akv.runtime.poller`) then drives the path's [`PathOp`][akv.runtime.paths.PathOp]
+and settles the pull from what the op reports. A path never reaches back into the session or the
 consumer: it gets what it needs (the backend, prepared lists, the check pool, the local
 ranks) when it is launched, and reports its outcome as a value.
 
 | path | module | when |
 | --- | --- | --- |
 | ``"copy"`` | `akv.runtime.paths.copy` | every prefill rank the pull reads from lives in this process |
-| ``"push"`` | `akv.runtime.paths.push` | a consumer in push mode: the prefill ranks WRITE, layer by layer |
+| ``"push"`` | `akv.runtime.paths.push` | a session in push mode: the prefill ranks WRITE, layer by layer |
 | ``"packed"`` | `akv.runtime.paths.packed` | the prefill ranks keep packed copies (``transfer``): one READ per component and rank of the copy, then a scatter into the paged cache |
 | ``"read"`` | `akv.runtime.paths.read` | otherwise: NIXL READs of the paged runs |
 
@@ -18,8 +18,9 @@ in place, every block it read was still exposed for the request (the exposure ch
 `PathOp.abort` returns only when nothing it started can still write into the pull's blocks,
 or hands what may still land to the backend's reaper with the op as owner (the reaper keeps
 the landing slots, staging and exposure-check slots alike, until NIXL reports each transfer
-finished). The consumer settles a failed pull only once ``reaper.holds(op)`` is False, or
-after destroying the agent (see `akv.runtime.consumer`): no write lands after control returns.
+finished). The poller settles a failed pull only once ``reaper.holds(op)`` is False, or
+after the consumer destroyed the agent (see `akv.runtime.poller` and `akv.runtime.consumer`):
+no write lands after control returns.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 The decode rank *grants* its blocks for one pull: it sends each writer (the prefill ranks
 the plan reads from) an ``announce`` notice with a random grant id, then waits for every
-writer's ``pushed`` notice. Notices are dispatched here by the consumer, bound to the grant,
+writer's ``pushed`` notice. Notices are dispatched here by the poller, bound to the grant,
 the writer's agent (the one the handshake linked for that prefill rank), the request and
-the generation; anything else is dropped and counted by the consumer.
+the generation; anything else is dropped and counted by the poller.
 
 Settling (the decode-centred safety rule): once aborted, the op is *settled* only when every
 writer confirmed it can no longer write (``pushed``, ``stopped`` or ``failed``: each is sent
-only once none of the writer's WRITEs for the grant can land). Until then the consumer does
+only once none of the writer's WRITEs for the grant can land). Until then the poller does
 not hand the pull's blocks back (it does not settle the pull); past its grace period it
 removes the silent writers' agents and settles (see docs/concepts.md for what that proves).
 """
@@ -98,7 +98,7 @@ class PushOp:
     def on_notice(self, agent: str, notice: PushNotice) -> bool:
         """A writer's notice for this grant; False if it is not bound to this op (another
         agent, request or generation), repeats one already taken, or is a ``stopped`` that no
-        stop asked for (the consumer drops and counts it)."""
+        stop asked for (the poller drops and counts it)."""
         rank = notice.prefill_rank
         if (
             self.writers.get(rank) != agent
