@@ -68,10 +68,11 @@ class EngineFinder:
             return
         here = True
         for host in sorted({ep.host for ep in endpoints}):
-            found = False  # a name that does not resolve within connect_timeout: not here
+            here = False  # a name that does not resolve within connect_timeout: not here
             with anyio.move_on_after(self.rank.connect_timeout):
-                found = await anyio.to_thread.run_sync(host_is_here, host, abandon_on_cancel=True)
-            here = here and found
+                here = await anyio.to_thread.run_sync(host_is_here, host, abandon_on_cancel=True)
+            if not here:
+                break
         self.mode = "push" if self.rank.transfer != "packed" and reads_over_tcp(here) else "pull"
         self._auto_push = self.mode == "push"
 

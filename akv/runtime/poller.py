@@ -395,10 +395,12 @@ class PullPoller:
     async def _reset_agent(self) -> None:
         """Reads NIXL cannot cancel outlived ``settle_timeout``: have the agent replaced
         (settling waits until it is)."""
-        assert self._replace_agent is not None
+        replace = self._replace_agent
+        if replace is None:  # run() calls this only for an agent the rank may replace
+            return
         self._resetting = resetting = anyio.Event()
         try:
-            await self._replace_agent()
+            await replace()
         finally:
             self._resetting = None
             resetting.set()
