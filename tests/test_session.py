@@ -13,6 +13,7 @@ import akv
 import akv.backends.nixl
 from akv.backends import XferHandle, XferState
 from akv.backends.nixl import NixlBackend
+from akv.protocol.messages import decode_notice
 from tests.conftest import decode_engine, decode_rank, make_spec, prefill_engine, verify, wait_for
 from tests.transfers import HeldBackend
 
@@ -393,13 +394,15 @@ async def test_every_notice_is_followed_by_a_background_flush_read(kind: str) ->
 
 class Spaced(Recording):
     """The real backend, recording; the exposure checks (READs carrying a notice) finish one
-    pull at a time, 20 ms apart, so that each pull completes in a poller round of its own."""
+    notice at a time, 20 ms apart, once ``gate`` is set, so that each completes in a poller
+    round of its own."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.checks: dict[object, bytes] = {}
         self.finishing = b""  # the notice of the pull whose checks may finish now
         self.at = 0.0
+        self.gate = False  # no check finishes until it is set
 
     def read(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, **kw: Any) -> Any:
         handle = super().read(local, local_idx, remote, remote_idx, notif, **kw)
@@ -412,6 +415,8 @@ class Spaced(Recording):
         notice = self.checks.get(handle)
         if notice is None or done != "DONE":
             return done
+        if not self.gate:
+            return "PROC"
         if notice != self.finishing:
             if time.monotonic() - self.at < 0.02:
                 return "PROC"
@@ -420,7 +425,7 @@ class Spaced(Recording):
 
 
 async def test_concurrent_pulls_share_the_flush_behind_the_last_notice() -> None:
-    """Eight pulls at once, finishing one per poller round: while some have yet to send their
+    """Eight pulls in flight, finishing one per poller round: while some have yet to send their
     notice no flush read is posted (the prefill rank is busy answering them); once the last
     one's notice went out, each prefill rank gets one flush read, after everything else."""
     spec = make_spec(kv_heads=4, num_blocks=64)
@@ -432,7 +437,11 @@ async def test_concurrent_pulls_share_the_flush_behind_the_last_notice() -> None
         session = await consumer.connect(engine.endpoint)
         for i in range(8):
             engine.fill(f"r{i}", [i], seed=i)
-        transfers = [await session.pull(f"r{i}", [i + 16], [i]) for i in range(8)]
+        transfers = []
+        for i in range(8):  # each pull's checks go out in a poller round of their own
+            transfers.append(await session.pull(f"r{i}", [i + 16], [i]))
+            await wait_for(lambda i=i: len(backend.checks) == 2 * (i + 1))
+        backend.gate = True
         for i, t in enumerate(transfers):
             await t
             assert verify(consumer, [i + 16], i, range(1))
@@ -444,6 +453,84 @@ async def test_concurrent_pulls_share_the_flush_behind_the_last_notice() -> None
             ops = backend.ops_to(agent)
             assert sum(bool(op[2]) for op in ops) == 8  # a notice per pull
             assert sum(op[3] == [scratch] for op in ops) == 1, ops
+
+
+async def test_a_shared_check_read_keeps_its_slots_until_it_ends_though_its_pulls_timed_out() -> None:
+    """Two pulls whose shared exposure-check READ does not finish time out; while that READ
+    may still land, its two check slots (all there are) stay taken, so a third pull is turned
+    away with BackPressureError; once it ends, pulls get the slots again and verify."""
+    spec = make_spec(kv_heads=4, num_blocks=64)
+    backend = Spaced(f"spaced-timeout-{id(spec)}")
+    async with (
+        prefill_engine(spec, 1) as engine,
+        decode_engine(spec, 1, same_process="nixl", backend=backend, max_checks=2) as (consumer,),
+    ):
+        session = await consumer.connect(engine.endpoint)
+        for i in range(5):
+            engine.fill(f"r{i}", [i], seed=i)
+        transfers = [await session.pull(f"r{i}", [i + 16], [i], transfer_timeout=0.3) for i in range(2)]
+        for t in transfers:
+            with pytest.raises(akv.TransferTimeout):
+                await t
+        assert len(backend.checks) == 1  # one READ stood for both
+        with pytest.raises(akv.BackPressureError):
+            await (await session.pull("r2", [18], [2]))
+        backend.gate = True
+        await wait_for(lambda: not len(consumer.reaper))
+        for i in (3, 4):
+            await (await session.pull(f"r{i}", [i + 16], [i]))
+            assert verify(consumer, [i + 16], i, range(1))
+
+
+class HeldRecording(HeldBackend, Recording):
+    """The recording backend, reporting every transfer running until ``hold_until``."""
+
+
+async def test_pulls_done_in_one_round_share_one_check_read_and_a_stale_one_fails_alone() -> None:
+    """Eight pulls from P=2 whose data reads finish in the same poller round send each prefill
+    rank one exposure-check READ, carrying one "done" notice that names all eight; the pull
+    bound to an exposure that was replaced meanwhile fails with ReexposedError alone (its
+    name in the shared notice releases nothing), and the seven others verify and release by read."""
+    spec = make_spec(kv_heads=4, num_blocks=64)
+    backend = HeldRecording(f"held-recording-{id(spec)}")
+    async with (
+        prefill_engine(spec, 2) as engine,
+        decode_rank(spec, backend=backend, same_process="nixl") as consumer,
+    ):
+        session = await consumer.connect(engine.endpoint)
+        stale = engine.fill("r3", [3], seed=3, lease=0.2)
+        await wait_for(lambda: [r.reason for r in engine.releases] == ["expired"] * 2)
+        for i in range(8):
+            engine.fill(f"r{i}", [i], seed=i)
+        backend.hold_until = time.monotonic() + 0.3  # every data read completes in one round
+        transfers = [
+            await session.pull(
+                akv.PullRequest(
+                    request_id=f"r{i}",
+                    local_block_ids=[i + 16],
+                    remote_block_ids=[i],
+                    generation=stale if i == 3 else 0,
+                )
+            )
+            for i in range(8)
+        ]
+        for i, t in enumerate(transfers):
+            if i == 3:
+                with pytest.raises(akv.ReexposedError):
+                    await t
+            else:
+                await t
+                assert verify(consumer, [i + 16], i, range(1))
+        agents = {op[1] for op in backend.ops}
+        assert len(agents) == 2
+        for agent in agents:
+            noticed = [op for op in backend.ops_to(agent) if op[2]]
+            assert len(noticed) == 1, noticed
+            assert sorted(decode_notice(noticed[0][2]).request_ids) == [f"r{i}" for i in range(8)]
+        want = [("r3", "expired")] * 2 + [(f"r{i}", "read") for i in range(8) if i != 3] * 2
+        await wait_for(lambda: sorted((r.request_id, r.reason) for r in engine.releases) == sorted(want))
+        assert all(p.metrics.counters["notifications_invalid"] == 1 for p in engine.producers)
+        assert [p.pending for p in engine.producers] == [1, 1]  # r3's new exposure stays
 
 
 class FlushesHang(NixlBackend):

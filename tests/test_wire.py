@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from akv.errors import AkvError, FrameError
+from akv.errors import AkvError, FrameError, ProtocolError
 from akv.geometry.spec import KVSpec
 from akv.protocol.handshake import ServerConversation, Transcript
 from akv.protocol.messages import (
@@ -28,6 +28,7 @@ from akv.protocol.messages import (
     encode_body,
     encode_frame,
     encode_notice,
+    merge_done_notices,
 )
 
 SPEC = KVSpec.create(layers=2, num_blocks=8, block_size=4, kv_heads=4, head_dim=8).to_cache()
@@ -184,6 +185,23 @@ def test_notice_decoder_rejects_garbage_typed(data: bytes) -> None:
         decode_notice(data)
     n = Notice("done", "e", 1, 2, ["a", "b"])
     assert decode_notice(encode_notice(n)) == n
+
+
+def test_merged_done_notices_keep_each_requests_digest_and_generation() -> None:
+    """Done notices of one decode rank merge into one that names every request, in order,
+    each with its own digest and generation (0 for a pull bound to none); notices of other
+    ranks or kinds do not merge."""
+    a = Notice("done", "d", 0, 1, ["a"], [11])
+    b = Notice("done", "d", 0, 1, ["b"], [22], [5])
+    c = Notice("done", "d", 0, 1, ["c"], [33])
+    merged = decode_notice(merge_done_notices([encode_notice(n) for n in (a, b, c)]))
+    assert merged == Notice("done", "d", 0, 1, ["a", "b", "c"], [11, 22, 33], [0, 5, 0])
+    unbound = decode_notice(merge_done_notices([encode_notice(a), encode_notice(c)]))
+    assert unbound == Notice("done", "d", 0, 1, ["a", "c"], [11, 33])
+    assert merge_done_notices([encode_notice(a)]) == encode_notice(a)
+    for other in (Notice("done", "d", 1, 2, ["x"], [1]), Notice("extend", "d", 0, 1, ["x"])):
+        with pytest.raises(ProtocolError, match="merge"):
+            merge_done_notices([encode_notice(a), encode_notice(other)])
 
 
 def test_hello_with_an_invalid_cache_is_refused_not_fatal() -> None:

@@ -59,6 +59,7 @@ __all__ = [
     "encode_body",
     "encode_frame",
     "encode_notice",
+    "merge_done_notices",
 ]
 
 PROTOCOL_VERSION = 3  # 3: transcript-bound MACs, engine instance ids (see the history above)
@@ -338,3 +339,33 @@ def decode_notice(data: bytes) -> Notice:
         return _notice_decoder.decode(data[len(_NOTICE_MAGIC) :])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed akv notification: {exc}") from None
+
+
+def merge_done_notices(notices: list[bytes]) -> bytes:
+    """One "done" notice naming every request of ``notices`` (all "done" notices of one
+    decode rank, as `akv.runtime.session.TransferSession.done_notice` makes them), in order:
+    a prefill rank applies it as it would apply each of them."""
+    if len(notices) == 1:
+        return notices[0]
+    parts = [decode_notice(raw) for raw in notices]
+    first = parts[0]
+    for part in parts:
+        if (part.kind, part.engine_id, part.decode_rank, part.decode_tp) != (
+            "done",
+            first.engine_id,
+            first.decode_rank,
+            first.decode_tp,
+        ) or not len(part.request_ids) == len(part.digests) == len(part.generations or part.digests):
+            raise ProtocolError("only the done notices of one decode rank merge")
+    bound = any(part.generations for part in parts)
+    return encode_notice(
+        Notice(
+            "done",
+            first.engine_id,
+            first.decode_rank,
+            first.decode_tp,
+            [rid for part in parts for rid in part.request_ids],
+            [d for part in parts for d in part.digests],
+            [g for part in parts for g in (part.generations or [0] * len(part.request_ids))] if bound else [],
+        )
+    )

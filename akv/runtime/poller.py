@@ -32,7 +32,7 @@ from akv.errors import (
 from akv.protocol.push import decode_push
 from akv.runtime.paths import Failed, Pending
 from akv.runtime.paths.push import PushOp
-from akv.runtime.paths.read import CheckPool, flush_after_notice
+from akv.runtime.paths.read import CheckBatcher, CheckPool, flush_after_notice
 from akv.runtime.transfer import PullOwner, Transfer
 from akv.tracker import TransferTracker
 
@@ -84,6 +84,7 @@ class PullPoller:
         self._agent = agent
         self.mode = mode
         self.checks = checks
+        self.batcher = CheckBatcher(checks)  # the read path's checks wait here for the round's end
         self.metrics = metrics
         self.log = log
         self._backoff = backoff
@@ -102,6 +103,7 @@ class PullPoller:
         self._settling: dict[Transfer, AkvError] = {}  # failed pulls whose reads may still land
         self._resetting: anyio.Event | None = None  # set while the agent is being replaced
         self._retry_reset_at = 0.0
+        self._batched: list[Transfer] = []  # pulls whose checks wait in the batcher
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -303,6 +305,18 @@ class PullPoller:
             if check is not None:
                 flush_after_notice(self._agent(), self.reaper, self.checks, check)
 
+    def _post_checks(self, now: float) -> bool:
+        """Post the exposure checks that waited for this round (one READ per prefill rank),
+        and poll their pulls at once (shared-memory reads are often done when posted)."""
+        batched, self._batched = self._batched, []
+        self.batcher.post()
+        for transfer in batched:
+            try:
+                self._check(transfer, now)
+            except BackendError as exc:  # pragma: no cover - defensive: keep polling
+                self.fail(transfer, exc)
+        return True
+
     def _forget_grant(self, transfer: Transfer) -> None:
         if isinstance(transfer.op, PushOp) and self._grants.get(transfer.op.grant) is transfer:
             del self._grants[transfer.op.grant]
@@ -363,7 +377,10 @@ class PullPoller:
         state = transfer.state
         if state.finished:
             return False
+        waiting = len(self.batcher)
         outcome = transfer.op.poll()
+        if len(self.batcher) > waiting:
+            self._batched.append(transfer)
         notified = transfer.op.take_notified()
         if notified:
             transfer.notified = True
@@ -422,6 +439,8 @@ class PullPoller:
                     progressed |= self._check(transfer, now)
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.fail(transfer, exc)
+            if self._batched:
+                progressed |= self._post_checks(now)
             if self._unflushed:
                 self._flush_noticed()
             if self._stopping:

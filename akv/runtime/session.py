@@ -310,6 +310,7 @@ class TransferSession:
             checks=checks,
             pool=c.checks if c.verify_exposure else None,
             generation=generation,
+            batcher=self.poller.batcher,
         )
 
     def _launch_packed(

@@ -5,6 +5,10 @@ A pull reads in two stages: ``reading`` (one READ per prefill rank, of the plan'
 proves the blocks were still exposed when the data reads completed; it carries the "done"
 notice, so the prefill rank cannot release before the check was read).
 
+Checks wait in the poller's `CheckBatcher` until the end of its round: then each prefill
+rank gets one check READ for all the pulls waiting on it, carrying one notice that names them
+all (many small pulls in flight post one check each round, not one each).
+
 Once the notice is sent, the consumer's poller posts one more small READ to each rank
 notified, in the background (`flush_after_notice`): the next pull's first READ then does
 not wait for that rank's poller.
@@ -22,9 +26,23 @@ import numpy.typing as npt
 from akv import exposure
 from akv.backends import Backend, DlistHandle, Reaper, XferHandle
 from akv.errors import AkvError, BackPressureError, ConfigError, PeerLostError, TransferError
+from akv.protocol.messages import merge_done_notices
 from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
 
-__all__ = ["CheckPool", "NixlRead", "Post", "RankCheck", "ReadPost", "flush_after_notice"]
+__all__ = [
+    "CheckBatch",
+    "CheckBatcher",
+    "CheckPool",
+    "CheckTicket",
+    "NixlRead",
+    "Post",
+    "RankCheck",
+    "ReadPost",
+    "flush_after_notice",
+]
+
+#: Most pulls one check READ (and its notice) stands for.
+BATCH_MAX = 64
 
 
 class CheckPool:
@@ -79,6 +97,138 @@ def flush_after_notice(backend: Backend, reaper: Reaper, pool: CheckPool, check:
     reaper.drop_background(handle)
 
 
+class CheckTicket:
+    """One pull's exposure check from one prefill rank: its landing slot, the bucket it
+    reads and its "done" notice; ``batch`` is the READ it went out with (None: still waiting
+    in the `CheckBatcher`)."""
+
+    __slots__ = ("backend", "batch", "bucket", "check", "notice", "reaper", "slot")
+
+    def __init__(
+        self, backend: Backend, reaper: Reaper, check: RankCheck, slot: int, bucket: int, notice: bytes
+    ) -> None:
+        self.backend, self.reaper, self.check = backend, reaper, check
+        self.slot, self.bucket, self.notice = slot, bucket, notice
+        self.batch: CheckBatch | None = None
+
+    def poll(self) -> bool | AkvError:
+        """True once its bucket landed, an error if the READ failed, else False."""
+        return False if self.batch is None else self.batch.poll()
+
+
+class CheckBatch:
+    """One check READ standing for several pulls (see `CheckBatcher`). The READ's handle is
+    released once, when NIXL reports it finished; a pull that gives up on it before then
+    leaves its slot to the batch, which frees it only once nothing can land there any more."""
+
+    def __init__(
+        self, tickets: list[CheckTicket], pool: CheckPool, handle: XferHandle, error: AkvError | None
+    ):
+        self.tickets = set(tickets)  # the pulls still waiting on it
+        self.pool = pool
+        self.handle = handle
+        self._error = error  # posting failed (nothing in flight), or the READ failed
+        self._done = error is not None
+        self._orphans: list[int] = []  # slots of pulls that gave up while the READ ran
+        first = tickets[0]
+        self.backend, self.reaper = first.backend, first.reaper
+        for ticket in tickets:
+            ticket.batch = self
+
+    def poll(self) -> bool | AkvError:
+        """True once the READ is done, its error if it failed, else False."""
+        if not self._done:
+            try:
+                done = self.backend.state(self.handle) == "DONE"
+            except TransferError as exc:
+                self._error, done = exc, True
+            if done:
+                self._finished()
+        if self._error is not None:
+            return self._error
+        return self._done
+
+    def _finished(self) -> None:
+        self._done = True
+        self.reaper.drop(self.handle, done=True)  # DONE or in error: nothing more lands
+        for slot in self._orphans:
+            self.pool.release(slot)
+        self._orphans.clear()
+
+    def leave(self, ticket: CheckTicket) -> None:
+        """A pull gives up on its check: its slot is freed now if nothing can land there,
+        else once the READ finishes (the last pull to leave hands the READ to the reaper)."""
+        self.tickets.discard(ticket)
+        if self._done:
+            self.pool.release(ticket.slot)
+            return
+        self._orphans.append(ticket.slot)
+        if not self.tickets:
+            self._done = True  # the reaper owns the handle from here
+            orphans, self._orphans = self._orphans, []
+
+            def free() -> None:
+                for slot in orphans:
+                    self.pool.release(slot)
+
+            self.reaper.drop(self.handle, free, owner=self)
+
+
+class CheckBatcher:
+    """Exposure checks waiting for the end of the poller's round: `post` sends, per prefill
+    rank (and agent), one READ of every waiting pull's bucket, each into the pull's own slot,
+    carrying one "done" notice naming them all.
+
+    Each pull's check is queued only once its data reads are done, and the prefill rank
+    learns of a pull only through the notice that travels behind the READ of its bucket: as
+    with one check READ per pull, the bucket each pull verifies was read after its data."""
+
+    def __init__(self, pool: CheckPool) -> None:
+        self.pool = pool
+        self._waiting: dict[tuple[int, int], list[CheckTicket]] = {}
+
+    def __len__(self) -> int:
+        """Checks waiting to be posted."""
+        return sum(len(tickets) for tickets in self._waiting.values())
+
+    def add(self, ticket: CheckTicket) -> None:
+        """Queue a check for the next `post`."""
+        self._waiting.setdefault((id(ticket.backend), id(ticket.check)), []).append(ticket)
+
+    def withdraw(self, ticket: CheckTicket) -> bool:
+        """Take a check back before it is posted; False if it was posted already."""
+        tickets = self._waiting.get((id(ticket.backend), id(ticket.check)))
+        if tickets is None or ticket not in tickets:
+            return False
+        tickets.remove(ticket)
+        return True
+
+    def post(self) -> int:
+        """Post every check waiting; returns how many pulls they stand for (a READ that cannot
+        be posted fails the pulls of that batch, through their tickets)."""
+        waiting, self._waiting = self._waiting, {}
+        posted = 0
+        for queue in waiting.values():
+            for at in range(0, len(queue), BATCH_MAX):
+                tickets = queue[at : at + BATCH_MAX]
+                first = tickets[0]
+                handle: XferHandle = None
+                error: AkvError | None = None
+                try:
+                    handle = first.backend.read(
+                        self.pool.dlist,
+                        np.fromiter((t.slot for t in tickets), np.int32, len(tickets)),
+                        first.check.dlist,
+                        np.fromiter((t.bucket for t in tickets), np.int32, len(tickets)),
+                        merge_done_notices([t.notice for t in tickets]),
+                    )
+                except AkvError as exc:
+                    error = exc
+                CheckBatch(tickets, self.pool, handle, error)
+                posted += len(tickets)
+        return posted
+
+
 @dataclass(frozen=True, slots=True)
 class ReadPost:
     """One READ of a request from one prefill rank: prepared lists and indices."""
@@ -115,7 +265,8 @@ class NixlRead:
     """One pull on the read path (see the module). ``checks`` None: no exposure check, the
     data reads carry the notice. ``generation``: one for every rank or per rank; ``packed``:
     the posts read packed copies (`akv.exposure.verify`); ``on_settled``: called once no data
-    read can still land (at once, or after an abort, once NIXL released them all)."""
+    read can still land (at once, or after an abort, once NIXL released them all); ``batcher``:
+    the checks wait there for the poller's round (None: each is posted at once)."""
 
     path: PathName = "read"
 
@@ -134,6 +285,7 @@ class NixlRead:
         generation: int | Mapping[int, int] = 0,
         packed: bool = False,
         on_settled: Callable[[], None] | None = None,
+        batcher: CheckBatcher | None = None,
     ) -> None:
         self.backend = backend
         self.reaper = reaper
@@ -147,6 +299,7 @@ class NixlRead:
         self.generation = generation  # the exposure generation the pull is bound to (0: none)
         self.packed = packed
         self.on_settled = on_settled
+        self.batcher = batcher
         self.owner: object = self  # whose handles the reaper holds (a path wrapping this read sets itself)
         self.checking = False
         self._ranks = frozenset(post.rank for post in posts)
@@ -154,6 +307,7 @@ class NixlRead:
         self._aborted = False
         self._pending: dict[XferHandle, int] = {}
         self._slots: dict[int, int] = {}  # prefill rank -> check slot
+        self._tickets: dict[int, CheckTicket] = {}  # prefill rank -> its check (batched)
         self._notified: frozenset[int] = frozenset()  # see take_notified
         self._told = False  # the notice went out (its reads are done)
 
@@ -213,6 +367,16 @@ class NixlRead:
             self.checking = True
             failed = self._post_checks()
             return failed if failed is not None else self.poll()
+        if self._tickets:
+            landed = True
+            for rank, ticket in self._tickets.items():
+                state = ticket.poll()
+                if isinstance(state, AkvError):
+                    return Failed(state, rank)
+                landed &= state
+            if not landed:
+                return Pending(changed)
+            self._tickets.clear()  # the batch is done with them: the slots are this op's again
         self._sent(frozenset(self._slots))
         error = self._verify()
         if error is not None:
@@ -241,12 +405,18 @@ class NixlRead:
             except BackPressureError as exc:
                 return Failed(exc)
             self._slots[rank] = slot
+            bucket = h % check.buckets
+            if self.batcher is not None:
+                ticket = CheckTicket(self.backend, self.reaper, check, slot, bucket, self.notice)
+                self._tickets[rank] = ticket
+                self.batcher.add(ticket)
+                continue
             try:
                 handle = self.backend.read(
                     pool.dlist,
                     np.array([slot], dtype=np.int32),
                     check.dlist,
-                    np.array([h % check.buckets], dtype=np.int32),
+                    np.array([bucket], dtype=np.int32),
                     self.notice,
                 )
             except TransferError as exc:
@@ -281,6 +451,14 @@ class NixlRead:
             return
         self._aborted = True
         pool = self.pool
+        for rank, ticket in self._tickets.items():
+            del self._slots[rank]  # the ticket's batch (or the batcher) frees it
+            if self.batcher is not None and self.batcher.withdraw(ticket):
+                if pool is not None:
+                    pool.release(ticket.slot)
+            elif ticket.batch is not None:
+                ticket.batch.leave(ticket)
+        self._tickets.clear()
         data = [h for h in self._pending] if not self.checking else []
         left = [len(data)]
 
