@@ -186,14 +186,16 @@ class CheckBatcher:
     def __init__(self, pool: CheckPool) -> None:
         self.pool = pool
         self._waiting: dict[tuple[int, int], list[CheckTicket]] = {}
+        self._count = 0
 
     def __len__(self) -> int:
         """Checks waiting to be posted."""
-        return sum(len(tickets) for tickets in self._waiting.values())
+        return self._count
 
     def add(self, ticket: CheckTicket) -> None:
         """Queue a check for the next `post`."""
         self._waiting.setdefault((id(ticket.backend), id(ticket.check)), []).append(ticket)
+        self._count += 1
 
     def withdraw(self, ticket: CheckTicket) -> bool:
         """Take a check back before it is posted; False if it was posted already."""
@@ -201,12 +203,13 @@ class CheckBatcher:
         if tickets is None or ticket not in tickets:
             return False
         tickets.remove(ticket)
+        self._count -= 1
         return True
 
     def post(self) -> int:
         """Post every check waiting; returns how many pulls they stand for (a READ that cannot
         be posted fails the pulls of that batch, through their tickets)."""
-        waiting, self._waiting = self._waiting, {}
+        waiting, self._waiting, self._count = self._waiting, {}, 0
         posted = 0
         for queue in waiting.values():
             for at in range(0, len(queue), BATCH_MAX):
