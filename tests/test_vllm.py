@@ -48,7 +48,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def launch(tmp: Path, model: Path, role: str, core: int, **kw: Any) -> Instance:
+def launch(tmp: Path, model: Path, role: str, core: int | str, **kw: Any) -> Instance:
     kw.setdefault("vllm_args", FAST)
     name = f"{role}-{kw.get('extra', {}).get('mode', 'pull')}-{free_port()}"
     return start(tmp / f"{name}.log", connector="akv", role=role, http_port=free_port(), model=model,
@@ -282,3 +282,27 @@ def test_gemma3_sliding_window_tokens_equal_colocated(tmp_path: Path) -> None:
         prefill.stop()
         decode.stop()
 
+
+
+def test_tensor_parallel_2_both_ways_tokens_equal_colocated(tmp_path: Path, model: Path) -> None:
+    """Prefill TP 2 -> decode TP 1 and prefill TP 1 -> decode TP 2 (two ``kv_both`` instances):
+    greedy tokens equal a colocated TP 1 run, and each decode instance pulled every block (all
+    KV heads). float32: TP 2's bf16 reductions alone change this random model's greedy tokens.
+    Each instance keeps to one core (both TP ranks share it): an instance split over both
+    cores, beside another instance on one of them, stalls on this 2-core machine (docs/vllm.md)."""
+    args = [*FAST, "--dtype", "float32"]
+    one = launch(tmp_path, model, "both", 0, vllm_args=args)
+    two = launch(tmp_path, model, "both", "1|1", tp=2, vllm_args=args)
+    try:
+        wait_ready([one, two])
+        for i, (prefill, decode) in enumerate(((two, one), (one, two), (two, one), (one, two))):
+            n = (37, 300, 515, 1000)[i]
+            tokens = prompt(n, seed=700 + i)
+            pulled = metric(decode, "vllm:akv_pull_bytes_total")
+            got = disaggregated(prefill, decode, model, tokens)
+            assert got == colocated(one, model, tokens), (n, "tp2->tp1" if prefill is two else "tp1->tp2")
+            want = pulled + -(-n // BLOCK) * BYTES_PER_BLOCK * 2  # float32
+            assert wait_metric(decode, "vllm:akv_pull_bytes_total", want) == want, n
+    finally:
+        one.stop()
+        two.stop()

@@ -88,7 +88,8 @@ def instance_command(
         nixl_port: NixlConnector's side-channel port.
         extra: more ``kv_connector_extra_config`` keys.
         core: pin the instance to this CPU core (``taskset``, and vLLM's OpenMP threads); with
-            TP > 1, one core per rank as ``"0|1"`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` form).
+            TP > 1, one core per rank as ``"0|1"`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` form; ``"1|1"``
+            keeps both ranks on core 1, which a machine of few cores needs: docs/vllm.md).
         kv_space_gib: vLLM's CPU KV-cache space (whole GiB).
         tp: tensor-parallel size.
         block_size: vLLM's ``--block-size`` (default: vLLM's).
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-port", type=int, default=8100)
     ap.add_argument("--akv-port", type=int, default=5700)
     ap.add_argument("--nixl-port", type=int, default=5600)
-    ap.add_argument("--core", default=None, help="CPU core to pin to (TP > 1: one per rank, e.g. '0|1')")
+    ap.add_argument("--core", default=None, help="CPU core to pin to (TP > 1: one per rank, e.g. '0|1'; '1|1' keeps both ranks on core 1)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--kv-space-gib", type=int, default=1)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config keys, as JSON")
