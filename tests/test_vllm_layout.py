@@ -5,6 +5,7 @@ sizes between two different layouts over real NIXL agents."""
 from __future__ import annotations
 
 from contextlib import AsyncExitStack
+from typing import Any
 
 import anyio
 import pytest
@@ -18,6 +19,7 @@ from akv.integrations.vllm.params import RemoteKV
 NB, BS, HS, HEADS, LAYERS = 8, 16, 8, 4, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 GROUP = LayerGroup("g0", "full", tuple(NAMES), total_kv_heads=HEADS, head_size=HS)
+NAMES4 = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
 def vllm_tensor(layout: str, heads: int) -> torch.Tensor:
@@ -152,3 +154,96 @@ async def test_pull_between_vllm_layouts_across_tp(
                         )
                         assert torch.equal(view[lb, :, :, 0], want), (li, c, lb)
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_pull_with_tensors_shared_across_groups() -> None:
+    """vLLM's hybrid allocator (Gemma 3: sliding and full layers interleaved) gives one tensor to a
+    layer of each group: describe gives each layer its own region (aliasing), and a pull with
+    per-group block ids moves every full block and the sliding group's window, over NIXL READs."""
+    full = LayerGroup("g0", "full", (NAMES4[1], NAMES4[3]), total_kv_heads=HEADS, head_size=HS)
+    sliding = LayerGroup("g1", "sliding", (NAMES4[0], NAMES4[2]), total_kv_heads=HEADS, head_size=HS, window=BS)
+    n = 3 * BS - 2  # 3 blocks; the window of BS tokens starts in the second block
+    remote = {"g0": [1, 2, 3], "g1": [5, 6]}  # one pool: a block is one group's at a time
+    local = {"g0": [4, 7, 2], "g1": [1, 3]}
+
+    def caches() -> dict[str, torch.Tensor]:
+        shared = [vllm_tensor("LBHNC", HEADS) for _ in range(2)]
+        return {name: shared[i // 2] for i, name in enumerate(NAMES4)}  # layers 0+1, 2+3 share
+
+    kv_p, kv_d = caches(), caches()
+    for li, name in enumerate(NAMES4):
+        ids = remote["g1" if li % 2 == 0 else "g0"]
+        for c, view in enumerate(kv_views(kv_p[name], "block")):
+            for b in ids:
+                view[b] = torch.tensor(
+                    [[value(li, c, h, tok, b) for tok in range(BS)] for h in range(HEADS)]
+                ).unsqueeze(-1)
+    with pytest.raises(akv.ConfigError, match="of group 'g0' share one KV tensor"):
+        describe(kv_p, [LayerGroup("g0", "full", tuple(NAMES4[:2]), HEADS, HS)], content="block")
+    async with AsyncExitStack() as stack:
+        server = akv.ControlServer()
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        await tg.start(server.serve)
+        spec, regions = describe(kv_p, [full, sliding], content="block")
+        assert len(regions) == 4 and regions[0].data_ptr() == regions[2].data_ptr()  # g0's layer 1, g1's layer 0
+        producer = await stack.enter_async_context(
+            akv.Producer(regions, spec, tp_rank=0, tp_size=1, engine_id="vllm-p", server=server)
+        )
+        producer.expose("req", remote, generation=3)
+        spec, regions = describe(kv_d, [full, sliding], content="block")
+        async with akv.Consumer(regions, spec, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+            session = await consumer.connect(str(server.endpoint))
+            req = akv.PullRequest(
+                request_id="req", local_block_ids=local, remote_block_ids=remote, generation=3, num_tokens=n
+            )
+            assert (await (await session.pull(req))).path == "read"
+        tg.cancel_scope.cancel()
+    for li, name in enumerate(NAMES4):
+        g = "g1" if li % 2 == 0 else "g0"
+        first_token = n - BS if g == "g1" else 0
+        for c, view in enumerate(kv_views(kv_d[name], "block")):
+            for pos, (lb, rb) in enumerate(zip(local[g], remote[g], strict=True)):
+                base = (3 - len(local[g]) + pos) * BS
+                for tok in range(BS):
+                    if not first_token <= base + tok < n:
+                        continue  # outside the window, or past the sequence's end
+                    want = torch.tensor([value(li, c, h, tok, rb) for h in range(HEADS)])
+                    assert torch.equal(view[lb, :, tok, 0], want), (name, c, lb, tok)
+
+
+def test_scheduler_block_ids_per_group_with_a_sliding_window() -> None:
+    """vLLM's hybrid allocator: prefill exposes a sliding group's blocks from token n - W + 1 on
+    (what vLLM keeps once the request finished, nulls dropped), decode fills its blocks of
+    tokens n - W to n, and computes a request itself when prefill lost the block of n - W."""
+    from types import SimpleNamespace
+
+    from akv.integrations.vllm.identity import Identity
+    from akv.integrations.vllm.scheduler import SchedulerHalf
+
+    ident = Identity(parse_options({}), "vllm-p", 5700, 1, 128, "block", producer=True, consumer=True)
+    half = SchedulerHalf(ident, [0, 64])  # a full group, a sliding group of 64 tokens
+    assert half._exposable(([1, 2, 3], [4, 5, 6]), 300) == ((1, 2, 3), (5, 6))  # before vLLM frees
+    assert half._exposable(([1, 2, 3], [0, 5, 6]), 300) == ((1, 2, 3), (5, 6))  # after
+    assert half._exposable((list(range(1, 9)), [0] * 7 + [9]), 1000) == (tuple(range(1, 9)), (9,))
+    assert half._exposable(([1], [4]), 37) == ((1,), (4,))
+
+    def block(i: int, hashed: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(block_id=i, block_hash=b"h" if hashed else None, is_null=i == 0)
+
+    def decode(n: int, remote_ids: tuple[tuple[int, ...], ...], blocks: list[list[SimpleNamespace]]) -> Any:
+        remote = RemoteKV("10.0.0.1:5700", "req", remote_ids, 7, n, 128, 60.0)
+        req = SimpleNamespace(request_id="r", prompt_token_ids=[1] * n, kv_transfer_params=remote.to_params("p", 1))
+        count, _ = half.get_num_new_matched_tokens(req, 0)
+        if count:
+            half.update_state_after_alloc(req, SimpleNamespace(blocks=blocks), count)
+        return count, half.build_meta(SimpleNamespace(num_scheduled_tokens={})).pull.get("r")
+
+    count, job = decode(300, ((1, 2, 3), (5, 6)), [[block(7), block(8), block(9)], [block(1), block(2), block(3)]])
+    assert count == 300 and job.local_block_ids == ((7, 8, 9), (2, 3))
+    # a local prefix hit of one block: full group reads the rest, the sliding window is all new
+    count, job = decode(300, ((1, 2, 3), (5, 6)), [[block(7, True), block(8), block(9)], [block(0), block(2), block(3)]])
+    assert job.local_block_ids == ((8, 9), (2, 3))
+    # 191 tokens: vLLM freed block 0 of the sliding group on prefill, token 127 with it
+    assert half._exposable(([1, 2], [4, 5]), 191) == ((1, 2), (5,))
+    assert decode(191, ((1, 2), (5,)), []) == (0, None)

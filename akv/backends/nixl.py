@@ -187,9 +187,14 @@ class NixlBackend:
 
     @on_device
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Register the KV regions with NIXL."""
+        """Register the KV regions with NIXL, each memory range once (regions may alias one
+        tensor, as vLLM's hybrid allocator shares one between layers of different groups:
+        NIXL takes a range registered twice, but its deregistration then crashes)."""
+        unique: dict[tuple[str, int, int], torch.Tensor] = {}
+        for t in tensors:
+            unique.setdefault((str(t.device), t.data_ptr(), t.numel() * t.element_size()), t)
         with map_exceptions("memory registration failed"):
-            self._registrations.append(self._agent.register_memory(list(tensors)))
+            self._registrations.append(self._agent.register_memory(list(unique.values())))
 
     @on_device
     def register_host(self, array: npt.NDArray[Any]) -> None:

@@ -164,7 +164,8 @@ class AkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(self.ident)
+            groups = layer_groups(vllm_config, kv_cache_config) if kv_cache_config is not None else []
+            self._scheduler = SchedulerHalf(self.ident, [g.window for g in groups])
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -18,6 +18,13 @@ a view with exactly that order (the same memory), so akv's plan reads head slice
 in place. Layouts that put blocks outside layers (one allocation for every layer) are
 refused with a [`ConfigError`][akv.errors.ConfigError]: the connector asks vLLM for a
 layer-major layout.
+
+vLLM's hybrid KV-cache allocator gives one tensor to several layers, each of a different
+KV-cache group (``KVCacheTensor.shared_by``): the groups draw their blocks from one pool, so a
+block id belongs to one group at a time and the layers never use the same block at once.
+Each such layer still gets a region of its own (several regions then alias one tensor), and
+akv reads each group's blocks through its own layers' regions. Two layers of one group
+sharing a tensor would write the same blocks, and are refused.
 """
 
 from __future__ import annotations
@@ -135,7 +142,8 @@ def describe(
 
     Args:
         kv_caches: vLLM's ``register_kv_caches`` argument, layer name -> tensor.
-        groups: vLLM's KV-cache groups (each layer in at most one).
+        groups: vLLM's KV-cache groups (each layer in at most one; layers of different
+            groups may share one tensor, see the module text).
         content: what the K/V tensors' last axis holds (see the module text).
 
     Raises:
@@ -144,7 +152,7 @@ def describe(
     """
     out_groups: list[Group] = []
     regions: list[torch.Tensor] = []
-    seen: dict[int, str] = {}
+    seen: dict[int, tuple[str, str]] = {}  # tensor address -> (group, layer) first using it
     for g in groups:
         names = sorted(g.layer_names, key=layer_index)
         missing = [n for n in names if n not in kv_caches]
@@ -159,13 +167,12 @@ def describe(
         for name in names:
             t = kv_caches[name]
             ptr = t.data_ptr()
-            if ptr in seen:
+            if ptr in seen and seen[ptr][0] == g.name:
                 raise ConfigError(
-                    f"layers {seen[ptr]!r} and {name!r} share one KV tensor: akv moves each layer's own "
-                    "(vLLM's hybrid KV-cache allocator shares them: start vLLM with "
-                    "--disable-hybrid-kv-cache-manager)"
+                    f"layers {seen[ptr][1]!r} and {name!r} of group {g.name!r} share one KV tensor: "
+                    "akv moves each layer of a group from its own"
                 )
-            seen[ptr] = name
+            seen.setdefault(ptr, (g.name, name))
             if t.dtype not in _DTYPES:
                 raise ConfigError(
                     f"layer {name!r}: KV dtype {t.dtype} is not one akv moves ({sorted(DTYPE_SIZES)})"

@@ -13,12 +13,21 @@ Decode instance: a request whose ``kv_transfer_params`` name a prefill instance 
 loads its prompt's KV asynchronously: ``get_num_new_matched_tokens`` claims the tokens not in
 the local prefix cache, ``update_state_after_alloc`` records the blocks vLLM allocated for
 them, and the next step tells every worker to pull.
+
+Block ids travel one list per KV-cache group (vLLM's hybrid allocator makes several). A
+sliding-window group of ``W`` tokens keeps only the window's blocks: vLLM frees (and nulls)
+the blocks before token ``n - W + 1`` of a finished request of ``n`` tokens, so prefill
+exposes only the blocks from that one on (also when it exposes before vLLM freed them), and
+decode fills the blocks of tokens ``n - W`` to ``n`` (vLLM recomputes token ``n - 1``, whose
+window starts at ``n - W``). When ``n - W + 1`` starts a block, the block of token ``n - W``
+is freed on prefill: decode then computes the request itself (logged).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from akv.errors import ConfigError
@@ -37,8 +46,9 @@ _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 class SchedulerHalf:
     """Scheduler-side state of one vLLM instance (see the module text)."""
 
-    def __init__(self, ident: Identity) -> None:
+    def __init__(self, ident: Identity, windows: Sequence[int] = ()) -> None:
         self.ident = ident
+        self.windows = tuple(windows)  # per KV-cache group: its sliding window in tokens, 0 for none
         self._generation = secrets.randbelow(1 << 30) + 1  # distinct across restarts of this instance
         self._meta = ConnectorMeta()
         self._candidates: dict[str, Any] = {}  # do_remote_decode requests not yet computed
@@ -73,9 +83,31 @@ class SchedulerHalf:
             return None
         return remote
 
+    def _window(self, group: int) -> int:
+        return self.windows[group] if group < len(self.windows) else 0
+
+    def _covers_windows(self, request: Any, remote: RemoteKV) -> bool:
+        """Whether prefill exposed the blocks of every sliding group's window (see the module text)."""
+        n = min(remote.num_tokens, len(request.prompt_token_ids or ()))
+        bs = remote.block_size  # the prefill instance's blocks
+        for i, ids in enumerate(remote.block_ids):
+            w = self._window(i)
+            if w and len(ids) < -(-n // bs) - max(0, n - w) // bs:
+                log.warning(
+                    "request %s: prefill kept %d blocks of sliding group %d, short of the window of "
+                    "%d tokens (vLLM freed the block of token %d): computed locally",
+                    request.request_id,
+                    len(ids),
+                    i,
+                    w,
+                    n - w,
+                )
+                return False
+        return True
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         remote = self._remote(request)
-        if remote is None:
+        if remote is None or not self._covers_windows(request, remote):
             return 0, False
         count = min(remote.num_tokens, len(request.prompt_token_ids or ())) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -88,11 +120,18 @@ class SchedulerHalf:
         params["do_remote_prefill"] = False  # one load per request
         if remote is None:
             return
+        # Per group, the blocks vLLM allocated for the tokens to load (not the local prefix
+        # hit, not null), last blocks of the sequence; sliding groups: only their window's.
+        n = min(remote.num_tokens, len(request.prompt_token_ids or ()))
+        bs = self.ident.block_size
         local = []
-        for group, ids in zip(blocks.blocks, remote.block_ids, strict=False):
-            hit = sum(b.block_hash is not None and not b.is_null for b in group)  # local prefix hit
-            new = [b.block_id for b in group if b.block_hash is None and not b.is_null]
-            local.append(tuple(new[: max(0, len(ids) - hit)]))
+        for i, group in enumerate(blocks.blocks[: len(remote.block_ids)]):
+            first = max(0, n - w) // bs if (w := self._window(i)) else 0
+            local.append(
+                tuple(
+                    b.block_id for b in group[first : -(-n // bs)] if b.block_hash is None and not b.is_null
+                )
+            )
         self._meta.pull[request.request_id] = PullJob(remote, tuple(local))
 
     # prefill side ----------------------------------------------------------------------
@@ -107,9 +146,14 @@ class SchedulerHalf:
         return self._generation
 
     def _exposable(self, block_ids: Any, num_tokens: int) -> tuple[tuple[int, ...], ...]:
-        """Per group, the blocks holding the first ``num_tokens`` tokens (no null blocks)."""
+        """Per group, the blocks holding the first ``num_tokens`` tokens that vLLM keeps once
+        the request finished (sliding groups: from token ``num_tokens - W + 1``; no null blocks)."""
         bs = self.ident.block_size
-        return tuple(tuple(strip_null(g[: -(-num_tokens // bs)])) for g in groups_of(block_ids))
+        out = []
+        for i, g in enumerate(groups_of(block_ids)):
+            first = max(0, num_tokens - w + 1) // bs if (w := self._window(i)) else 0
+            out.append(tuple(strip_null(g[first : -(-num_tokens // bs)])))
+        return tuple(out)
 
     def _expose_early(self, scheduler_output: Any) -> None:
         """Requests whose prompt this step completes, with one output token: exposed after it."""
@@ -139,7 +183,7 @@ class SchedulerHalf:
             return False, None  # nothing exposed: vLLM frees the blocks now
         job = early
         if job is None:
-            groups = self._exposable(block_ids, request.num_computed_tokens)
+            groups = self._exposable(block_ids, min(request.num_computed_tokens, request.num_prompt_tokens))
             if not any(groups):
                 return False, None
             job = self._meta.expose_late[rid] = ExposeJob(groups, self._next_generation())
