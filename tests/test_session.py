@@ -455,12 +455,16 @@ async def test_concurrent_pulls_share_the_flush_behind_the_last_notice() -> None
             assert sum(op[3] == [scratch] for op in ops) == 1, ops
 
 
+class HeldSpaced(HeldBackend, Spaced):
+    """The spaced backend, reporting every transfer running until ``hold_until``."""
+
+
 async def test_a_shared_check_read_keeps_its_slots_until_it_ends_though_its_pulls_timed_out() -> None:
     """Two pulls whose shared exposure-check READ does not finish time out; while that READ
     may still land, its two check slots (all there are) stay taken, so a third pull is turned
     away with BackPressureError; once it ends, pulls get the slots again and verify."""
     spec = make_spec(kv_heads=4, num_blocks=64)
-    backend = Spaced(f"spaced-timeout-{id(spec)}")
+    backend = HeldSpaced(f"spaced-timeout-{id(spec)}")
     async with (
         prefill_engine(spec, 1) as engine,
         decode_engine(spec, 1, same_process="nixl", backend=backend, max_checks=2) as (consumer,),
@@ -468,7 +472,8 @@ async def test_a_shared_check_read_keeps_its_slots_until_it_ends_though_its_pull
         session = await consumer.connect(engine.endpoint)
         for i in range(5):
             engine.fill(f"r{i}", [i], seed=i)
-        transfers = [await session.pull(f"r{i}", [i + 16], [i], transfer_timeout=0.3) for i in range(2)]
+        backend.hold_until = time.monotonic() + 0.1  # both data reads complete in one round
+        transfers = [await session.pull(f"r{i}", [i + 16], [i], transfer_timeout=0.4) for i in range(2)]
         for t in transfers:
             with pytest.raises(akv.TransferTimeout):
                 await t

@@ -104,6 +104,11 @@ class PullPoller:
         self._resetting: anyio.Event | None = None  # set while the agent is being replaced
         self._retry_reset_at = 0.0
         self._batched: list[Transfer] = []  # pulls whose checks wait in the batcher
+        # Pulls launched since the poller's last round: one at a time, a launch posts its
+        # checks itself (over shared memory the whole pull is then done when `pull` returns);
+        # several, the checks wait for the round's end and go out together.
+        self._launched = 0
+        self._inline = True
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -193,7 +198,11 @@ class PullPoller:
         self._tracker.add(transfer.state, transfer)
         if isinstance(transfer.op, PushOp):
             self._grants[transfer.op.grant] = transfer
-        self._check(transfer, time.monotonic())
+        now = time.monotonic()
+        self._launched += 1
+        self._check(transfer, now)
+        if self._batched and self._inline:
+            self._post_checks(now)
         if self._unflushed:  # it finished at once: flush before the caller's next pull
             self._flush_noticed()
         if not transfer.done():
@@ -428,6 +437,8 @@ class PullPoller:
         while True:
             now = time.monotonic()
             progressed = False
+            if self._launched:  # see _launched: launches come one at a time, or in bursts
+                self._inline, self._launched = self._launched == 1, 0
             pushing = self.mode == "push" or bool(self._grants)
             if pushing:
                 try:
