@@ -205,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-port", type=int, default=8100)
     ap.add_argument("--akv-port", type=int, default=5700)
     ap.add_argument("--nixl-port", type=int, default=5600)
-    ap.add_argument("--core", default=None, help="CPU core to pin to (TP > 1: one per rank, e.g. '0|1'; '1|1' keeps both ranks on core 1)")
+    ap.add_argument(
+        "--core",
+        default=None,
+        help="CPU core to pin to (TP > 1: one per rank, e.g. '0|1'; '1|1' keeps both ranks on core 1)",
+    )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--kv-space-gib", type=int, default=1)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config keys, as JSON")
