@@ -314,7 +314,7 @@ class PullPoller:
             if check is not None:
                 flush_after_notice(self._agent(), self.reaper, self.checks, check)
 
-    def _post_checks(self, now: float) -> bool:
+    def _post_checks(self, now: float) -> None:
         """Post the exposure checks that waited for this round (one READ per prefill rank),
         and poll their pulls at once (shared-memory reads are often done when posted)."""
         batched, self._batched = self._batched, []
@@ -324,7 +324,6 @@ class PullPoller:
                 self._check(transfer, now)
             except BackendError as exc:  # pragma: no cover - defensive: keep polling
                 self.fail(transfer, exc)
-        return True
 
     def _forget_grant(self, transfer: Transfer) -> None:
         if isinstance(transfer.op, PushOp) and self._grants.get(transfer.op.grant) is transfer:
@@ -451,7 +450,8 @@ class PullPoller:
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.fail(transfer, exc)
             if self._batched:
-                progressed |= self._post_checks(now)
+                self._post_checks(now)
+                progressed = True
             if self._unflushed:
                 self._flush_noticed()
             if self._stopping:

@@ -206,11 +206,10 @@ class CheckBatcher:
         self._count -= 1
         return True
 
-    def post(self) -> int:
-        """Post every check waiting; returns how many pulls they stand for (a READ that cannot
-        be posted fails the pulls of that batch, through their tickets)."""
+    def post(self) -> None:
+        """Post every check waiting (a READ that cannot be posted fails the pulls of that
+        batch, through their tickets)."""
         waiting, self._waiting, self._count = self._waiting, {}, 0
-        posted = 0
         for queue in waiting.values():
             for at in range(0, len(queue), BATCH_MAX):
                 tickets = queue[at : at + BATCH_MAX]
@@ -228,8 +227,6 @@ class CheckBatcher:
                 except AkvError as exc:
                     error = exc
                 CheckBatch(tickets, self.pool, handle, error)
-                posted += len(tickets)
-        return posted
 
 
 @dataclass(frozen=True, slots=True)
