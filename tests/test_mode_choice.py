@@ -1,6 +1,6 @@
 """A consumer in its default mode pushes where UCX would serve its READs over TCP (a READ
 target can crash when its reader vanishes there: docs/operations.md#peer-death-over-tcp) and
-pulls elsewhere; the choice is made per prefill engine. The hosts case (two network
+pulls elsewhere; the choice is made per prefill engine, and pull is never done over TCP. The hosts case (two network
 namespaces, push chosen) is tests/test_network_cut.py's suite case."""
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ async def test_default_mode_pulls_from_an_engine_on_this_host(monkeypatch: pytes
     spec = make_spec(num_blocks=8)
     async with (
         akv.Producer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1) as producer,
-        akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, same_process="nixl") as consumer,
+        akv.Consumer(
+            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, same_process="nixl"
+        ) as consumer,
     ):
         assert consumer.mode == "auto"
         producer.expose("r", [1, 2])
@@ -59,22 +61,63 @@ async def test_default_mode_pulls_from_an_engine_on_this_host(monkeypatch: pytes
         assert result.path == "read"
 
 
-async def test_packed_transfers_always_pull() -> None:
-    """transfer="packed" reads packed copies: the default mode is pull, whatever the peer."""
+async def test_packed_transfers_push_where_reads_would_go_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transfer="packed" with the default mode: a session whose READs UCX would serve over TCP
+    pushes the paged blocks instead (bit for bit), and never reads; a bad mode is a ConfigError."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     spec = make_spec(num_blocks=8)
     kv = akv.allocate_kv_cache(spec, 0, 1)
-    assert akv.Consumer(kv, spec, tp_rank=0, tp_size=1, transfer="packed").mode == "pull"
     with pytest.raises(akv.ConfigError, match="'pull', 'push' or 'auto'"):
         akv.Consumer(kv, spec, tp_rank=0, tp_size=1, mode="sideways")
+    async with (
+        akv.Producer(
+            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, transfer="packed"
+        ) as producer,
+        akv.Consumer(kv, spec, tp_rank=0, tp_size=1, same_process="nixl", transfer="packed") as consumer,
+    ):
+        producer.kv_caches[0][1].fill_(5)
+        producer.expose("r", [1])
+        session = await consumer.connect(str(producer.endpoint))
+        assert session.mode == "push"
+        result = await (await session.pull("r", [2], [1]))
+        assert result.path == "push"
+        assert bool((consumer.kv_caches[0][2] == 5).all())
 
 
-@pytest.mark.parametrize("modes,expected", [(("pull", "push"), "push"), (("pull",), "pull")])
-async def test_default_mode_pushes_to_another_host_unless_the_engine_serves_only_pull(
-    monkeypatch: pytest.MonkeyPatch, modes: tuple[str, ...], expected: str
+async def test_pull_mode_is_refused_where_reads_would_go_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mode="pull" to an engine whose READs UCX would serve over TCP (UCX_TLS=tcp here; another
+    host without RDMA alike) is refused at connect with a ConfigError naming the hazard and
+    the alternative; the same consumer pulls once TCP is no longer the only transport."""
+    import akv.runtime.finder
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    spec = make_spec(num_blocks=8)
+    async with (
+        akv.Producer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1) as producer,
+        akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, mode="pull") as consumer,
+    ):
+        producer.expose("r", [1])
+        with pytest.raises(akv.ConfigError, match=r"over TCP.*kill the prefill.*mode='push'"):
+            await consumer.connect(str(producer.endpoint))
+        monkeypatch.setattr(akv.runtime.finder, "host_is_here", lambda host: False)
+        monkeypatch.delenv("UCX_TLS")
+        with pytest.raises(akv.ConfigError, match="over TCP"):  # another host, no RDMA device here
+            await consumer.connect(str(producer.endpoint))
+        monkeypatch.setattr(akv.runtime.finder, "host_is_here", lambda host: True)
+        session = await consumer.connect(str(producer.endpoint))
+        assert session.mode == "pull"
+        assert (await (await session.pull("r", [2], [1]))).path in ("read", "copy")
+
+
+@pytest.mark.parametrize("modes", [("pull", "push"), ("pull",)])
+async def test_default_mode_pushes_to_another_host_and_refuses_an_engine_serving_only_pull(
+    monkeypatch: pytest.MonkeyPatch, modes: tuple[str, ...]
 ) -> None:
     """With the engine taken for another host (no RDMA device here: this machine has none),
     the default session pushes, and its pulls take the push path bit for bit; an engine that
-    serves only pull is pulled from (and the choice is logged) rather than refused."""
+    serves only pull is refused (IncompatiblePeerError naming mode and the hazard), never read
+    over TCP."""
     import akv.runtime.finder
 
     monkeypatch.delenv("UCX_TLS", raising=False)
@@ -82,12 +125,19 @@ async def test_default_mode_pushes_to_another_host_unless_the_engine_serves_only
     spec = make_spec(num_blocks=8)
     async with (
         akv.Producer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, modes=modes) as producer,
-        akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, same_process="nixl") as consumer,
+        akv.Consumer(
+            akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, same_process="nixl"
+        ) as consumer,
     ):
         producer.kv_caches[0][1].fill_(7)
         producer.expose("r", [1])
+        if modes == ("pull",):
+            with pytest.raises(akv.IncompatiblePeerError, match=r"serves only pull.*over TCP") as info:
+                await consumer.connect(str(producer.endpoint))
+            assert "mode" in info.value.fields
+            return
         session = await consumer.connect(str(producer.endpoint))
-        assert session.mode == expected
+        assert session.mode == "push"
         result = await (await session.pull("r", [2], [1]))
-        assert result.path == ("push" if expected == "push" else "read")
+        assert result.path == "push"
         assert bool((consumer.kv_caches[0][2] == 7).all())

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from anyio.abc import TaskGroup
 
 from akv._poll import from_threads
-from akv.backends import Reaper, mem_type, ucx_tcp_only
+from akv.backends import Reaper, mem_type
 from akv.errors import BackendError, ClosedError, ConfigError, PeerLostError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import rank_layout
@@ -98,17 +98,24 @@ class Consumer(RankBase):
             blocks each pull grants them, layer by layer as prefill computes them; the
             prefill engine must serve push, else connecting raises
             [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``mode``).
-            Same API either way; ``TransferResult.path`` says ``"push"``. ``"auto"`` (the
-            default, ``None`` too): each session decides before its first handshake, push
-            where UCX would serve its READs over TCP (a decode rank dying mid-READ over UCX
-            TCP can crash the prefill process, see docs/operations.md#peer-death-over-tcp):
-            ``UCX_TLS`` leaves only TCP, or the engine's first endpoints are not addresses of
-            this host's network namespace and UCX may use no RDMA here (no device in
-            ``/sys/class/infiniband``, or ``UCX_TLS`` names no RDMA transport); pull
-            otherwise, and always with ``transfer="packed"``. ``TransferSession.mode`` says
-            which.
+            Same API either way; ``TransferResult.path`` says ``"push"``. akv never lets UCX
+            serve READs over TCP (a decode rank dying or stalling mid-READ over UCX TCP can
+            kill the prefill process, see docs/operations.md#peer-death-over-tcp): UCX would,
+            when ``UCX_TLS`` leaves only TCP, or the engine's first endpoints are not
+            addresses of this host's network namespace and UCX may use no RDMA here (no
+            device in ``/sys/class/infiniband``, or ``UCX_TLS`` names no RDMA transport).
+            There, ``"auto"`` (the default, ``None`` too) pushes, also with
+            ``transfer="packed"`` (logged), and ``"pull"`` is refused at connect with a
+            [`ConfigError`][akv.errors.ConfigError]; elsewhere ``"auto"`` pulls. Each
+            session decides before its first handshake; ``TransferSession.mode`` says which.
         stop_grace_s: push mode: seconds a failed or cancelled pull waits for its writers to
-            confirm they stopped before it removes their agents and settles anyway.
+            confirm they stopped. Past it, this rank replaces its own NIXL agent (its UCX
+            worker, every connection and registration the writes target go with it; other
+            pulls in flight fail with [`PeerLostError`][akv.errors.PeerLostError] and may be
+            pulled again) and only then reports the pull, so nothing a silent writer still
+            sends can land in blocks handed back. With an agent handed in (``backend``),
+            which this rank may not replace, the writers' agents are removed instead, which
+            does not stop data already queued over TCP (docs/concepts.md#push-mode).
         transfer: which copy of a request to read: ``"direct"`` (the paged blocks), ``"packed"``
             (the prefill ranks' packed copies, see docs/concepts.md#packed-transfers; an
             [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``transfer`` at
@@ -191,14 +198,9 @@ class Consumer(RankBase):
             raise ConfigError(f"copy_with must be 'auto' or 'torch', got {copy_with!r}")
         self.copy_with = copy_with
         if mode is None:
-            mode = "pull" if transfer == "packed" else "auto"
+            mode = "auto"
         if mode not in ("pull", "push", "auto"):
             raise ConfigError(f"mode must be 'pull', 'push' or 'auto', got {mode!r}")
-        if mode == "pull" and backend is None and ucx_tcp_only():
-            self._log.warning(
-                "pull mode over UCX TCP: a decode rank dying mid-read can crash the prefill "
-                "process (UCX 1.23); push mode avoids it (docs/operations.md#peer-death-over-tcp)"
-            )
         self.mode: str = mode
         if not stop_grace_s > 0:
             raise ConfigError(f"stop_grace_s must be > 0, got {stop_grace_s}")

@@ -17,7 +17,14 @@ import anyio
 import msgspec
 
 from akv.backends import host_is_here, reads_over_tcp
-from akv.errors import AkvError, EngineChangedError, HandshakeError, IncompatiblePeerError, MissingRanksError
+from akv.errors import (
+    AkvError,
+    ConfigError,
+    EngineChangedError,
+    HandshakeError,
+    IncompatiblePeerError,
+    MissingRanksError,
+)
 from akv.protocol.address import (
     BootstrapAddress,
     Endpoint,
@@ -58,13 +65,17 @@ class EngineFinder:
         #: before the first handshake from where the engine is (see `choose_mode`)
         self.mode: str | None = None if rank.mode == "auto" else rank.mode
         self._auto_push = False  # push chosen by "auto", not confirmed by a handshake yet
+        self._tcp_checked = False  # whether pull was checked against READs over TCP
 
     async def choose_mode(self, endpoints: Iterable[Endpoint]) -> None:
-        """A rank in mode "auto": push when UCX would serve this session's READs over TCP (the
-        engine's first endpoints are on another host, and UCX may use no RDMA transport here,
-        or ``UCX_TLS`` leaves only TCP), else pull. Decided once, before the first handshake:
-        the prefill ranks learn the mode from it."""
-        if self.mode is not None:
+        """Decide the session's mode once, before the first handshake (the prefill ranks learn
+        it from the hello). UCX never serves this session READs over TCP (a reader dying or
+        stalling mid-READ over UCX TCP can kill the prefill process, see
+        docs/operations.md#peer-death-over-tcp): where it would (``UCX_TLS`` leaves only TCP,
+        or the engine's first endpoints are on another host and UCX may use no RDMA here), a
+        rank in mode "auto" pushes, and a rank in mode "pull" is refused with a
+        [`ConfigError`][akv.errors.ConfigError]; elsewhere "auto" pulls."""
+        if self.mode == "push" or (self.mode is not None and self._tcp_checked):
             return
         here = True
         for host in sorted({ep.host for ep in endpoints}):
@@ -73,8 +84,26 @@ class EngineFinder:
                 here = await anyio.to_thread.run_sync(host_is_here, host, abandon_on_cancel=True)
             if not here:
                 break
-        self.mode = "push" if self.rank.transfer != "packed" and reads_over_tcp(here) else "pull"
-        self._auto_push = self.mode == "push"
+        tcp = reads_over_tcp(here)
+        self._tcp_checked = True
+        if self.mode == "pull":
+            if tcp:
+                raise ConfigError(
+                    f"mode='pull' to {self.address}: UCX would serve this rank's READs over TCP, "
+                    "where a reader dying or stalling mid-READ can kill the prefill process "
+                    "(docs/operations.md#peer-death-over-tcp); use mode='push' or 'auto' "
+                    "(--mode push), which writes instead"
+                )
+            return
+        if tcp and self.rank.transfer == "packed":
+            self.log.warning(
+                "transfer='packed' reads packed copies, and UCX would serve those READs over TCP "
+                "(a reader dying mid-READ can kill the prefill process): pushing the paged "
+                "blocks instead",
+                engine=str(self.address),
+            )
+        self.mode = "push" if tcp else "pull"
+        self._auto_push = tcp
 
     def forget(self) -> None:
         """Drop what discovery holds (the session closed)."""
@@ -123,21 +152,21 @@ class EngineFinder:
     async def fetch(self, ranks: set[int] | None) -> tuple[Challenge, dict[int, RankInfo]]:
         """Find the endpoints of ``ranks`` (None: every rank needed) and handshake with them.
 
-        Push chosen by mode "auto" and refused by an engine that serves only pull: pull from
-        it (logged: over TCP a reader dying mid-READ can crash that engine, see
-        docs/operations.md#peer-death-over-tcp)."""
+        Push chosen by mode "auto" (READs would go over TCP) and refused by an engine that
+        serves only pull: an [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming
+        ``mode``, since pulling from it over TCP could kill it."""
         try:
             found = await self._fetch(ranks)
         except IncompatiblePeerError as exc:
             if not self._auto_push or "mode" not in exc.fields:
                 raise
-            self.log.warning(
-                "the prefill engine serves only pull: pulling from it over TCP (a decode rank dying "
-                "mid-read can crash it; serve push there, see docs/operations.md#peer-death-over-tcp)",
-                error=str(exc),
-            )
-            self.mode, self._auto_push = "pull", False
-            found = await self._fetch(ranks)
+            raise IncompatiblePeerError(
+                f"the prefill engine at {self.address} serves only pull, and UCX would serve this "
+                "rank's READs over TCP, where a reader dying or stalling mid-READ can kill the prefill "
+                "process (docs/operations.md#peer-death-over-tcp): let it serve push (akv prefill "
+                f"--mode push, Producer(modes=('pull', 'push'))); {exc}",
+                exc.fields,
+            ) from exc
         self._auto_push = False  # the engine took the mode: it stays
         return found
 

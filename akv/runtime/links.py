@@ -177,7 +177,11 @@ class EngineLinks:
                     "same_process='copy' needs every one here (use 'auto' to copy only when they are)",
                     ("same_process",),
                 )
-        if c.transfer == "packed" and (plain := sorted(r for r, i in infos.items() if i.pack is None)):
+        if (
+            c.transfer == "packed"
+            and self.mode != "push"
+            and (plain := sorted(r for r, i in infos.items() if i.pack is None))
+        ):
             raise packed.error_for(plain, ch.engine_id)
         if c.verify_exposure:
             missing = sorted(r for r, i in infos.items() if not i.exposure_buckets)

@@ -94,6 +94,9 @@ class PullPoller:
         self.closed = False
         self._grants: dict[int, Transfer] = {}  # push: grant id -> its pull, until settled
         self._stopping: dict[Transfer, tuple[AkvError, float]] = {}  # failed pushes, writers not stopped yet
+        # failed pushes past their grace whose writers stay silent: settled by the agent's replacement
+        self._cut: set[Transfer] = set()
+        self._closing = False  # the rank is closing: its agent goes with it, none is replaced
         self._tracker = TransferTracker()
         self._reaper: Reaper | None = None
         self._flush_until = 0.0
@@ -131,8 +134,8 @@ class PullPoller:
             self.fail(transfer, error)
 
     def quarantined(self) -> set[Transfer]:
-        """The failed pulls whose reads may still land (until the agent is gone)."""
-        return set(self._settling)
+        """The failed pulls whose reads or pushes may still land (until the agent is gone)."""
+        return set(self._settling) | set(self._stopping)
 
     def lingering(self, now: float) -> bool:
         """True while notices are still to leave, or operations to a lost peer to be retired."""
@@ -143,21 +146,24 @@ class PullPoller:
         everything. Push writers not confirmed yet are cut when the agent closes; failed pulls
         whose reads may still land settle only once ``backend`` is closed here."""
         self.closed = True
-        for transfer, (error, _) in list(self._stopping.items()):
-            self.metrics.inc("push_stops_unconfirmed")
-            transfer.finish(error)
-        self._stopping.clear()
-        self._grants.clear()
-        if (self._settling or (self._reaper is not None and len(self._reaper))) and backend is not None:
+        held = self._settling or self._stopping or (self._reaper is not None and len(self._reaper))
+        if held and backend is not None:
             backend.close()  # nothing of the failed pulls can land once the agent is destroyed
             if self._reaper is not None:
                 self._reaper.abandon()  # drops their handles: the agent goes with the last one
+        for transfer, (error, _) in list(self._stopping.items()):  # reported once the agent is gone
+            self.metrics.inc("push_stops_unconfirmed")
+            transfer.finish(error)
+        self._stopping.clear()
+        self._cut.clear()
+        self._grants.clear()
         self.finish_settled(everything=True)
 
     async def stop_pushes(self) -> None:
         """Closing: fail the push pulls in flight and wait (up to ``stop_grace_s``) until
         their writers stopped, while the poller still runs. Reads are left to the close (it
         destroys the agent), so no agent is replaced on the way out."""
+        self._closing = True  # writers still silent are cut by the close (it destroys the agent)
         pushes = [t for _state, t in self._tracker if isinstance(t.op, PushOp)]
         pushes += [t for t in self._stopping if t not in pushes]
         if not pushes:
@@ -294,7 +300,14 @@ class PullPoller:
 
     def finish_settled(self, everything: bool = False, among: Collection[Transfer] | None = None) -> None:
         """Report the failed pulls nothing of which can land any more (``everything``: all of
-        them, or all ``among`` these, whose agent is gone)."""
+        them, or all ``among`` these, whose agent is gone: failed pushes too)."""
+        if everything:
+            for transfer, (error, _) in list(self._stopping.items()):
+                if among is None or transfer in among:
+                    del self._stopping[transfer]
+                    self._cut.discard(transfer)
+                    self._forget_grant(transfer)
+                    transfer.finish(error)
         reaper = self._reaper
         for transfer, error in list(self._settling.items()):
             if among is not None and transfer not in among:
@@ -330,23 +343,38 @@ class PullPoller:
             del self._grants[transfer.op.grant]
 
     def _settle_pushes(self, now: float) -> None:
-        """Settle failed push pulls whose writers all stopped; past the grace period, remove
-        the agents of writers that did not confirm (they can no longer reach this rank through
-        them) and settle anyway."""
+        """Settle failed push pulls whose writers all stopped. Past the grace period, a writer
+        that did not confirm may still send WRITEs (over TCP, removing its agent does not stop
+        data it already queued): the pull settles only once this rank's agent, whose worker
+        and registrations those WRITEs target, is replaced (see `run`). An agent this rank may
+        not replace (handed in): the silent writers' agents are removed and the pull settles."""
         for transfer, (error, deadline) in list(self._stopping.items()):
             op = transfer.op
             if isinstance(op, PushOp) and not op.settled:
-                if now < deadline:
-                    continue
+                if now < deadline or transfer in self._cut or self._closing:
+                    continue  # the close destroys the agent before it reports them
                 silent = op.unconfirmed
                 self.metrics.inc("push_stops_unconfirmed")
+                if self._replace_agent is not None:
+                    self.log.warning(
+                        "push writers did not confirm they stopped: replacing this rank's NIXL agent "
+                        "before the pull is reported, so nothing they still send can land",
+                        request=transfer.request_id,
+                        prefill_ranks=silent,
+                    )
+                    self._cut.add(transfer)
+                    self._backoff.wake()
+                    continue
                 self.log.warning(
-                    "push writers did not confirm they stopped: their agents are removed",
+                    "push writers did not confirm they stopped, and this rank's NIXL agent was handed "
+                    "in (it is never replaced): their agents are removed; over TCP, WRITEs they already "
+                    "queued may still land",
                     request=transfer.request_id,
                     prefill_ranks=silent,
                 )
                 transfer.session.invalidate(silent)
             del self._stopping[transfer]
+            self._cut.discard(transfer)
             self._forget_grant(transfer)
             transfer.finish(error)
 
@@ -462,10 +490,11 @@ class PullPoller:
             if self._settling:
                 self.finish_settled()
             oldest = reaper.oldest()
+            stuck = (oldest is not None and now - oldest > self.settle_timeout) or bool(self._cut)
             if (
                 self._replace_agent is not None
-                and oldest is not None
-                and now - oldest > self.settle_timeout
+                and stuck
+                and not self._closing
                 and now >= self._retry_reset_at
             ):
                 try:

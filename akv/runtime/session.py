@@ -397,8 +397,10 @@ class TransferSession:
     def flush_check(self, rank: int) -> RankCheck | None:
         """The check list to flush notices to ``rank`` behind; none while a pull of this
         session has yet to send its notice (the prefill rank's poller is busy until then, so
-        it acknowledges at once; that pull is noticed in turn)."""
-        if any(not t.notified for t in self.transfers):
+        it acknowledges at once; that pull is noticed in turn), and none in push mode (a
+        READ there would go over TCP, which akv never asks of UCX: see the consumer's
+        ``mode``; the poller progresses the agent until the notices left)."""
+        if self.mode == "push" or any(not t.notified for t in self.transfers):
             return None
         return self.remote.flush_check(rank)
 
