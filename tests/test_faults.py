@@ -27,7 +27,10 @@ from tests.conftest import (
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 BIG = ["--layers", "8", "--blocks", "256", "--block-size", "64", "--head-dim", "128", "--dtype", "float16"]
-TCP = {"UCX_TLS": "tcp"}  # data over TCP: reads stay in flight long enough to be cut
+TCP = {"UCX_TLS": "tcp"}  # data over TCP (pushed there): transfers stay in flight long enough to be cut
+
+
+TIMEOUT, GRACE = 4.0, 2.0  # the killed-peer consumer's transfer_timeout, and stop_grace_s
 
 
 def big_spec() -> akv.KVSpec:
@@ -55,7 +58,8 @@ def start_prefill(*extra: str, env: dict[str, str] | None = None) -> tuple[subpr
 async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """SIGKILL mid-transfer: its pulls fail typed within 2 s, another peer's succeed; another
+    """SIGKILL mid-push: its pulls fail typed within timeout + stop grace + 5 s, another peer's
+    succeed; another
     engine, or the same engine restarted, on the same endpoint is refused by the old session
     (EngineChangedError naming the field), and a new session to it gets fresh agent metadata."""
     monkeypatch.setenv("UCX_TLS", "tcp")
@@ -65,7 +69,11 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
     try:
         reqs_a = await fetch_requests(ep_a, spec, None, "t")
         reqs_b = await fetch_requests(ep_b, spec, None, "t")
-        async with decode_rank(spec, transfer_timeout=10, mode="pull") as consumer:
+        # over TCP it pushes: a killed writer is noticed by the pull's timeout; it cannot confirm
+        # the stop, so its pulls settle once the grace ran out and this rank replaced its agent
+        # (nothing the dead writer's sockets still deliver can land); the other engine's
+        # pulls finish meanwhile
+        async with decode_rank(spec, transfer_timeout=TIMEOUT, stop_grace_s=GRACE) as consumer:
             sa, sb = await consumer.connect(ep_a), await consumer.connect(ep_b)
             old_agent = sa.agents[0]
             ta = [
@@ -85,7 +93,7 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
                     assert verify(consumer, list(range(i * 16, i * 16 + 16)), reqs_a[i].seed, range(16))
                 except akv.TransferError:
                     failed += 1
-                    assert time.monotonic() - killed < 2.0
+                    assert time.monotonic() - killed < TIMEOUT + GRACE + 5
             assert failed > 0, "the kill landed after every read finished; nothing was tested"
             for i, t in enumerate(tb):
                 await t
@@ -141,9 +149,10 @@ async def test_hung_peer_times_out_and_releases_by_lease() -> None:
 
 
 async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read from a stopped peer (TCP transport) fails with TransferTimeout, not a hang; the
-    rank replaced its agent (that read can never land), so the next pulls handshake again and
-    fail with HandshakeError while the peer stays stopped."""
+    """A push from a stopped peer (TCP transport, the default mode there) fails with
+    TransferTimeout, not a hang; the rank replaced its agent (nothing the silent writer sends
+    can land), so the next pulls handshake again and fail with HandshakeError while the peer
+    stays stopped."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     spec = big_spec()
     proc, endpoint = start_prefill(env=TCP)
@@ -152,7 +161,7 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
         async with decode_rank(
             spec,
             transfer_timeout=1.0,
-            mode="pull",  # READs over TCP: the case this test is about
+            stop_grace_s=GRACE,  # over TCP it pushes: the stopped writer cannot confirm the stop
             handshake_timeout=1.0,
         ) as consumer:
             session = await consumer.connect(endpoint)
@@ -162,7 +171,7 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
             for i, r in enumerate(reqs[1:4], start=1):
                 try:  # after a timeout the agent is replaced: the next pulls must handshake again
                     t = await session.pull(r.request_id, list(range(i * 16, i * 16 + 16)), r.block_ids)
-                    with anyio.fail_after(5):
+                    with anyio.fail_after(GRACE + 5):
                         await t
                     results.append("ok")
                 except akv.TransferTimeout:

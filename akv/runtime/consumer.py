@@ -377,13 +377,17 @@ class Consumer(RankBase):
             done.set()
 
     async def _replace_agent(self) -> None:
-        """Reads NIXL cannot cancel outlived ``settle_timeout``: replace this rank's agent.
-        The old one is destroyed (its UCX workers and endpoints with it), so nothing it
-        started can land; every session re-links with the new one on its next pull."""
+        """Reads NIXL cannot cancel outlived ``settle_timeout``, or push writers stayed silent
+        past ``stop_grace_s``: replace this rank's agent. The old one is destroyed (its UCX
+        workers, endpoints and registrations with it), so nothing it started, and nothing a
+        writer still sends to it, can land; every session re-links with the new one on its
+        next pull."""
         self._log.warning(
-            "reads that NIXL cannot cancel are still in flight: replacing this rank's NIXL agent",
+            "replacing this rank's NIXL agent: reads it cannot cancel, or pushes whose writers "
+            "did not confirm a stop, could still land",
             held=len(self._poller.reaper),
             settle_timeout=self.settle_timeout,
+            stop_grace_s=self.stop_grace_s,
         )
         async with self._packing:  # staging registered meanwhile would miss the new agent
             await self._swap_agent(self.backend)
