@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from akv import exposure
-from akv.backends import Backend, Reaper, XferHandle
+from akv.backends import Backend, Reaper, XferHandle, mem_type
 from akv.errors import AkvError, BackPressureError, ConfigError, IncompatiblePeerError, TransferError
 from akv.geometry.cache import CacheSpec
 from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, sections
@@ -82,8 +82,8 @@ class StagingPool:
             raise ConfigError(f"pack_staging_bytes must be >= 256, got {size}")
         self.arena = Arena(size)
         self.tensor = torch.empty(self.arena.size, dtype=torch.uint8, device=like.device)
-        self.mem_type = "VRAM" if like.is_cuda else "DRAM"
-        self.device_id = int(like.device.index or 0) if like.is_cuda else 0
+        # the type akv registers the staging tensor as (the same rule as the caches')
+        self.mem_type, self.device_id = mem_type([self.tensor])
         self._worker: ThreadPoolExecutor | None = None
         #: called from the worker thread when a scatter there is done (the consumer sets it
         #: to wake its poller, which would otherwise sleep until its next tick)
