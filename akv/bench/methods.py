@@ -24,7 +24,7 @@ import numpy as np
 
 from akv.bench.workloads import Figures
 
-__all__ = ["Methods", "cuda_count", "torch_index"]
+__all__ = ["Methods", "cuda_count", "cuda_index", "torch_index"]
 
 
 class Methods:
@@ -213,6 +213,11 @@ def cuda_count() -> int:
     import torch
 
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def cuda_index(dev: str) -> int | None:
+    """The GPU index of a torch device string (``cuda:N``), None for the CPU."""
+    return int(dev.split(":")[1]) if dev.startswith("cuda") else None
 
 
 def _sync(t: Any) -> None:
