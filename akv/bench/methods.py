@@ -179,6 +179,8 @@ class Methods:
         seconds = time.perf_counter() - t0
         if record:
             if merge:
+                if op == "READ":
+                    self.fig.latency_nixl_ms.extend([seconds * 1e3] * len(batch))
                 self.fig.descriptors += ndesc
             else:
                 self.fig.perblock_descriptors += ndesc

@@ -106,7 +106,9 @@ def table_prep(blocks: int, layers: int = 64, device: str = "cpu") -> dict[str, 
         layers=layers, num_blocks=blocks, block_size=1, kv_heads=1, head_dim=8, dtype="float16"
     )
     dev = parse_device(device).for_rank(0, cuda_count())
-    kv = [torch.zeros(spec.region_shape(0, 1), dtype=torch.float16, device=dev) for _ in range(spec.num_regions)]
+    kv = [
+        torch.zeros(spec.region_shape(0, 1), dtype=torch.float16, device=dev) for _ in range(spec.num_regions)
+    ]
     kind = mem_type(kv)[0]
     out: dict[str, float] = {"layers": layers, "blocks": blocks}
     for mode in ("strided", "expanded"):  # strided first: the expanded list's memory stays mapped

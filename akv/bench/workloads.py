@@ -90,6 +90,8 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("prefill_tp>decode_tp", 2, 1),
     Workload("mla_prefill>decode", 2, 1, kv_heads=1, mla=True, requests=64),
     Workload("small_concurrent", 1, 1, blocks=(1, 4), contiguous=False, concurrency=32, requests=512),
+    # one block a pull, one at a time: the fixed cost of a pull (p50_ms beside nixl_p50_ms)
+    Workload("latency", 1, 1, blocks=(1, 1), requests=64),
     *_HETERO,
     Workload("mixed_bs", 1, 1, blocks=(32, 32), block_size=16, decode_block_size=32),
     # head-sliced NHD between TP sizes: one run per token, layer and K/V plane (packed transfers)
@@ -168,6 +170,12 @@ class Figures:
     gbps: dict[str, float] = field(default_factory=dict)
     latency_ms: list[float] = field(default_factory=list)
     latency_unchecked_ms: list[float] = field(default_factory=list)
+    latency_nixl_ms: list[float] = field(default_factory=list)  # the hand-written loop's (READ)
+    #: mean per pull (one decode rank's pull of one request) of each control operation of akv's
+    #: checked pulls (`akv.metrics.CONTROL_OPS`), and of its pushed pulls (``--mode push``)
+    control_ops: dict[str, float] = field(default_factory=dict)
+    push_control_ops: dict[str, float] = field(default_factory=dict)
+    data_xfers: float = 0.0  # data transfers akv's checked pulls posted, per pull
     launch_akv_us: list[float] = field(default_factory=list)
     launch_nixl_us: list[float] = field(default_factory=list)
     transfer: str = "direct"

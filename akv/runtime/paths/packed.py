@@ -36,6 +36,7 @@ from akv import exposure
 from akv.backends import Backend, Reaper, XferHandle, mem_type
 from akv.errors import AkvError, BackPressureError, ConfigError, IncompatiblePeerError, TransferError
 from akv.geometry.cache import CacheSpec
+from akv.metrics import no_count
 from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, sections
 from akv.protocol.messages import PackInfo
 from akv.runtime.paths import Failed, Outcome, PathName, Pending
@@ -208,8 +209,10 @@ class PackedRead:
         remote_spec: CacheSpec,
         prefill_tp: int,
         direct: NixlRead | None,
+        count: Callable[[str, int], None] = no_count,
     ) -> None:
         self.backend = backend
+        self.count = count  # the decode rank's counters (`akv.Metrics.inc`)
         self.reaper = reaper
         self.request_id = request_id
         self.prepared = prepared
@@ -303,6 +306,7 @@ class PackedRead:
             except TransferError as exc:
                 self.abort()
                 return Failed(exc, rank)
+            self.count("xfers_directory", 1)
             self._lookups[handle] = rank
         return None
 
@@ -398,6 +402,7 @@ class PackedRead:
             generation=gens,
             packed=True,
             on_settled=self._on_landed,
+            count=self.count,
         )
         self.read.owner = self  # the consumer asks the reaper whether this pull may still land
         return self.read.start()
