@@ -102,6 +102,7 @@ def _large() -> tuple[Workload, ...]:
         )
     )
 
+
 WORKLOADS: tuple[Workload, ...] = (
     Workload("bulk", 1, 1),
     Workload("fragmented", 1, 1, contiguous=False),
