@@ -51,8 +51,9 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="smaller workloads: about 4 min on 2 CPU cores, the large ones at full size (the full "
-        "run: 16 layers everywhere and 4x the requests, several minutes)",
+        help="smaller workloads (8 layers where a workload does not fix them; the large ones at full "
+        "size), a few minutes on 2 CPU cores (the full run: 16 layers everywhere and 4x the requests, "
+        "several minutes)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(

@@ -28,9 +28,9 @@ async def poller_figures(idle_seconds: float, device: str = "cpu") -> dict[str, 
     import akv
     from akv.bench.methods import cuda_count
     from akv.device import parse_device
+    from akv.testing import expected_blocks  # noqa: F401  (warm imports outside the timing)
 
     dev = parse_device(device).for_rank(0, cuda_count())
-    from akv.testing import expected_blocks  # noqa: F401  (warm imports outside the timing)
 
     spec = akv.KVSpec.create(layers=2, num_blocks=64, block_size=4, kv_heads=2, head_dim=16, dtype="float16")
     released: dict[str, float] = {}

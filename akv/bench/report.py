@@ -146,8 +146,9 @@ def print_table(summary: dict[str, Any]) -> None:
         "p50_ms",
         "p99_ms",
         "unchecked_p50_ms",
+        "nixl_p50_ms",
     )
-    rows = [[str(w[c]) for c in cols] for w in summary["workloads"] if "perblock_gbps" in w]
+    rows = [[str(w.get(c, "")) for c in cols] for w in summary["workloads"] if "perblock_gbps" in w]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(widths[i]) for i, c in enumerate(cols)))
     for r in rows:
