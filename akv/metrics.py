@@ -8,7 +8,7 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 
-__all__ = ["COUNTERS", "Metrics", "MetricsSnapshot", "TransferStats"]
+__all__ = ["CONTROL_OPS", "COUNTERS", "Metrics", "MetricsSnapshot", "TransferStats", "no_count"]
 
 #: Counter names akv maintains (others may be added by callers).
 COUNTERS: tuple[str, ...] = (
@@ -45,7 +45,34 @@ COUNTERS: tuple[str, ...] = (
     "push_stops_unconfirmed",
     "packed",
     "pack_fallbacks",
+    # NIXL transfers a decode rank posts, by what they are for (akv bench's control_ops)
+    "xfers_data",
+    "xfers_check",
+    "xfers_directory",
+    "xfers_flush",
+    # push control messages through a decode rank
+    "push_announces_sent",
+    "push_notices_received",
 )
+
+
+#: The operations of a pull besides its data, by kind: the decode rank's counter of each.
+#: ``check_reads``: exposure-check READs; ``directory_reads``: packed-copy directory READs;
+#: ``flush_reads``: background READs behind notices; ``notices``: standalone notices sent;
+#: ``push_announces``: push grants announced to writers; ``push_notices``: writers' notices
+#: received (``pushed``, ``stopped``, ``failed``).
+CONTROL_OPS: dict[str, str] = {
+    "check_reads": "xfers_check",
+    "directory_reads": "xfers_directory",
+    "flush_reads": "xfers_flush",
+    "notices": "notifications_sent",
+    "push_announces": "push_announces_sent",
+    "push_notices": "push_notices_received",
+}
+
+
+def no_count(name: str, n: int = 1) -> None:
+    """A counter that counts nothing (where no metrics are kept)."""
 
 
 class TransferStats(msgspec.Struct, frozen=True):

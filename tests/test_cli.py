@@ -95,6 +95,17 @@ CONFIG_ERRORS = [
     ),
     pytest.param(["demo", "--mode", "push", "--layer-ms", "-1"], "--layer-ms", id="demo-layer-ms"),
     pytest.param(["bench", "--only", "layerwise"], "--mode push", id="bench-layerwise-pull"),
+    # figure programs measure DRAM: refused on a GPU before anything touches CUDA
+    pytest.param(
+        ["bench", "--only", "bulk,scatter", "--device", "cuda"],
+        "measure DRAM only",
+        id="bench-program-on-cuda",
+    ),
+    pytest.param(
+        ["bench", "--quick", "--only", "notice_flush,groups", "--device", "cuda:0"],
+        "notice_flush,groups",
+        id="bench-programs-on-cuda-n",
+    ),
 ]
 
 

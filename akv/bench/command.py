@@ -29,7 +29,7 @@ def _epilog() -> str:
         "",
         textwrap.fill(
             "figure programs, run only when named with --only NAME (DRAM; they take neither "
-            "--quick, --device nor --mode; the docs quote their figures):",
+            "--quick nor --mode, and --device cuda refuses them; the docs quote their figures):",
             79,
         ),
     ]
@@ -51,8 +51,9 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="smaller workloads: about 2.5 min on 2 CPU cores (the full run: 16 layers everywhere and "
-        "4x the requests, several minutes)",
+        help="smaller workloads (8 layers where a workload does not fix them; the large ones at full "
+        "size), a few minutes on 2 CPU cores (the full run: 16 layers everywhere and 4x the requests, "
+        "several minutes)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
@@ -101,6 +102,7 @@ def add_bench_parser(sub: Any) -> None:
         from akv.bench.report import check_plot, plot, print_table
         from akv.bench.run import run_bench
         from akv.bench.workloads import config_name, preset_workloads
+        from akv.device import parse_device
         from akv.errors import ConfigError
         from akv.testing import ProgressBar, etcd_binary
 
@@ -116,6 +118,14 @@ def add_bench_parser(sub: Any) -> None:
             "etcd" not in only or etcd_binary() is not None,
             "--only etcd needs an etcd binary: bash scripts/setup.sh installs Debian's etcd-server "
             "(or set AKV_ETCD)",
+        )
+        # Before anything touches CUDA: the figure programs measure DRAM only, so a figure
+        # labelled with a CUDA device would not be one measured there.
+        programs = [n for n in only if n in PROGRAMS]
+        check(
+            not (programs and parse_device(a.device).cuda),
+            f"--only {','.join(programs)}: figure programs measure DRAM only; leave them out of "
+            f"--device {a.device} (run them with --device cpu)",
         )
         device = device_of(a)  # a one-line error (exit 64) without a usable GPU
         use_gpu_environment(device)

@@ -215,6 +215,9 @@ async def _measure(
         warm = [(f"{rid}-warm", local, remote) for rid, local, remote in batches[0]]
         for m in [*order, *extra]:
             await methods.run(m, warm, record=False)
+        await anyio.sleep(0.05)  # the warm-up's background reads go out before counting starts
+        counted = {"akv": consumers, "push": pushing}
+        before = {k: [dict(c.metrics.snapshot().counters) for c in cs] for k, cs in counted.items()}
         progress(f"{w.name}: {len(batches)} batches x {len(order) + 1} methods, interleaved")
         for i, batch in enumerate(batches):
             # A Williams design: over 4 batches each method runs in each position once and
@@ -229,6 +232,15 @@ async def _measure(
                     nbytes, seconds = await methods.run(method, batch, record=True)
                     totals[method][0] += nbytes
                     totals[method][1] += seconds
+        await anyio.sleep(0.05)  # the last pulls' background reads, posted after they returned
+        for k, cs in counted.items():
+            spent_ops = _control_ops(before[k], [dict(c.metrics.snapshot().counters) for c in cs], len(reqs))
+            if k == "akv":
+                fig.data_xfers = spent_ops.pop("data_xfers")
+                fig.control_ops = spent_ops
+            elif cs:
+                spent_ops.pop("data_xfers")
+                fig.push_control_ops = spent_ops
         for m, (moved, spent) in totals.items():
             fig.gbps[m] = moved / spent / 1e9
         fig.bytes = int(totals["akv"][0]) // len(reqs)
@@ -237,6 +249,25 @@ async def _measure(
         fig.descriptors /= len(reqs)
         fig.perblock_descriptors /= len(reqs)
     return fig
+
+
+def _control_ops(
+    before: list[dict[str, int]], after: list[dict[str, int]], requests: int
+) -> dict[str, float]:
+    """Mean count per pull (one decode rank's pull of one request) of each control operation
+    (`akv.metrics.CONTROL_OPS`) between two snapshots of the decode ranks' counters, and of the
+    data transfers (``data_xfers``)."""
+    from akv.metrics import CONTROL_OPS
+
+    pulls = max(requests * len(after), 1)
+
+    def spent(counter: str) -> float:
+        return sum(a.get(counter, 0) - b.get(counter, 0) for b, a in zip(before, after, strict=True)) / pulls
+
+    return {
+        **{kind: spent(counter) for kind, counter in CONTROL_OPS.items()},
+        "data_xfers": spent("xfers_data"),
+    }
 
 
 async def same_process(layers: int, device: str, progress: Callable[[str], None]) -> dict[str, Any]:

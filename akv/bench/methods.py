@@ -24,7 +24,7 @@ import numpy as np
 
 from akv.bench.workloads import Figures
 
-__all__ = ["Methods", "cuda_count", "torch_index"]
+__all__ = ["Methods", "cuda_count", "cuda_index", "torch_index"]
 
 
 class Methods:
@@ -52,10 +52,16 @@ class Methods:
         # perblock: every table of the plan as one (addr, len, dev) row per descriptor; a
         # descriptor keeps its index (row base + block), so akv's indices address them too.
         self.expanded: dict[Any, Any] = {}
+        # Each list carries the memory type of the memory it describes: the consumer's own
+        # (VRAM on a GPU) for local tables, the prefill rank's (its handshake says) for remote ones.
         for s, c in zip(sessions, consumers, strict=True):
             for tkey, table in s.plan.tables.items():
-                agent = "" if tkey[0] == "local" else s.agents[int(tkey[1])]
-                self.expanded[(id(c), tkey)] = c.backend.prep_expanded(agent, table, "DRAM")
+                if tkey[0] == "local":
+                    agent, mem = "", c.mem_type
+                else:
+                    link = s.links[int(tkey[1])]
+                    agent, mem = link.agent, link.info.mem_type
+                self.expanded[(id(c), tkey)] = c.backend.prep_expanded(agent, table, mem)
         # One thread: torch's OpenMP workers spin after each copy and would steal this
         # machine's cores from whichever method runs next.
         torch.set_num_threads(1)
@@ -173,6 +179,8 @@ class Methods:
         seconds = time.perf_counter() - t0
         if record:
             if merge:
+                if op == "READ":
+                    self.fig.latency_nixl_ms.extend([seconds * 1e3] * len(batch))
                 self.fig.descriptors += ndesc
             else:
                 self.fig.perblock_descriptors += ndesc
@@ -207,6 +215,11 @@ def cuda_count() -> int:
     import torch
 
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def cuda_index(dev: str) -> int | None:
+    """The GPU index of a torch device string (``cuda:N``), None for the CPU."""
+    return int(dev.split(":")[1]) if dev.startswith("cuda") else None
 
 
 def _sync(t: Any) -> None:

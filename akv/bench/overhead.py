@@ -20,12 +20,17 @@ import numpy as np
 __all__ = ["poller_figures", "table_prep", "table_prep_fresh"]
 
 
-async def poller_figures(idle_seconds: float) -> dict[str, float]:
-    """Idle CPU of a producer+consumer pair, and notification-to-release latency under load."""
+async def poller_figures(idle_seconds: float, device: str = "cpu") -> dict[str, float]:
+    """Idle CPU of a producer+consumer pair (caches on ``device``: cpu, cuda or cuda:N), and
+    notification-to-release latency under load."""
     import torch
 
     import akv
+    from akv.bench.methods import cuda_count
+    from akv.device import parse_device
     from akv.testing import expected_blocks  # noqa: F401  (warm imports outside the timing)
+
+    dev = parse_device(device).for_rank(0, cuda_count())
 
     spec = akv.KVSpec.create(layers=2, num_blocks=64, block_size=4, kv_heads=2, head_dim=16, dtype="float16")
     released: dict[str, float] = {}
@@ -35,14 +40,14 @@ async def poller_figures(idle_seconds: float) -> dict[str, float]:
         ep = await tg.start(server.serve)
         async with (
             akv.Producer(
-                akv.allocate_kv_cache(spec, 0, 1),
+                akv.allocate_kv_cache(spec, 0, 1, device=dev),
                 spec,
                 tp_rank=0,
                 tp_size=1,
                 server=server,
                 on_release=lambda r: released.__setitem__(r.request_id, time.monotonic()),
             ) as prod,
-            akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1) as cons,
+            akv.Consumer(akv.allocate_kv_cache(spec, 0, 1, device=dev), spec, tp_rank=0, tp_size=1) as cons,
         ):
             session = await cons.connect(ep)
             # idle: nothing exposed; then one request exposed and unread (the producer must poll)
@@ -85,21 +90,29 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
-    """Register and prepare a (layers x 2) x blocks table, strided and expanded: time and peak RSS."""
+def table_prep(blocks: int, layers: int = 64, device: str = "cpu") -> dict[str, float]:
+    """Register and prepare a (layers x 2) x blocks table on ``device`` (cpu, cuda or cuda:N),
+    strided and expanded: time and peak RSS."""
     import torch
 
+    from akv.backends import mem_type
     from akv.backends.nixl import NixlBackend
+    from akv.bench.methods import cuda_count, cuda_index
+    from akv.device import parse_device
     from akv.geometry.spec import KVSpec
     from akv.plan import RankMemory, TransferPlan
 
     spec = KVSpec.create(
         layers=layers, num_blocks=blocks, block_size=1, kv_heads=1, head_dim=8, dtype="float16"
     )
-    kv = [torch.zeros(spec.region_shape(0, 1), dtype=torch.float16) for _ in range(spec.num_regions)]
+    dev = parse_device(device).for_rank(0, cuda_count())
+    kv = [
+        torch.zeros(spec.region_shape(0, 1), dtype=torch.float16, device=dev) for _ in range(spec.num_regions)
+    ]
+    kind = mem_type(kv)[0]
     out: dict[str, float] = {"layers": layers, "blocks": blocks}
     for mode in ("strided", "expanded"):  # strided first: the expanded list's memory stays mapped
-        b = NixlBackend(f"prep-{mode}-{os.getpid()}")
+        b = NixlBackend(f"prep-{mode}-{os.getpid()}", cuda_device=cuda_index(dev))
         t = time.perf_counter()
         b.register(kv)
         out["register_ms"] = (time.perf_counter() - t) * 1e3
@@ -119,7 +132,7 @@ def table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         t = time.perf_counter()
-        (b.prep if mode == "strided" else b.prep_expanded)("", table, "DRAM")
+        (b.prep if mode == "strided" else b.prep_expanded)("", table, kind)
         out[f"{mode}_prep_ms"] = (time.perf_counter() - t) * 1e3
         stop.set()
         sampler.join()
@@ -129,9 +142,12 @@ def table_prep(blocks: int, layers: int = 64) -> dict[str, float]:
     return out
 
 
-def table_prep_fresh(blocks: int) -> dict[str, float]:
+def table_prep_fresh(blocks: int, device: str = "cpu") -> dict[str, float]:
     """`table_prep` in a fresh process, so that memory figures are not hidden by reuse."""
-    code = f"import json; from akv.bench.overhead import table_prep; print(json.dumps(table_prep({blocks})))"
+    code = (
+        "import json; from akv.bench.overhead import table_prep; "
+        f"print(json.dumps(table_prep({blocks}, device={device!r})))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
     )

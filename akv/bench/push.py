@@ -28,11 +28,16 @@ LAYERWISE_BLOCKS = 64
 
 
 async def layerwise(
-    layers: int, compute_ms: float, progress: Callable[[str], None], rounds: int = 8
+    layers: int, compute_ms: float, progress: Callable[[str], None], rounds: int = 8, device: str = "cpu"
 ) -> dict[str, Any]:
-    """Run the layerwise workload (see the module); returns its summary row."""
+    """Run the layerwise workload (see the module) with both sides' caches on ``device`` (cpu,
+    cuda or cuda:N: GPU 0 or N); returns its summary row."""
     import akv
     from akv.backends.nixl import NixlBackend
+    from akv.bench.methods import cuda_count, cuda_index
+    from akv.device import parse_device
+
+    dev = parse_device(device).for_rank(0, cuda_count())
 
     spec = akv.KVSpec.create(
         layers=layers,
@@ -53,19 +58,23 @@ async def layerwise(
         server = akv.ControlServer()
         endpoint = await tg.start(server.serve)
         producer = await stack.enter_async_context(
-            akv.Producer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, server=server)
+            akv.Producer(
+                akv.allocate_kv_cache(spec, 0, 1, device=dev), spec, tp_rank=0, tp_size=1, server=server
+            )
         )
         sessions = {}
         for mode in ("push", "pull"):
             consumer = await stack.enter_async_context(
                 akv.Consumer(
-                    akv.allocate_kv_cache(spec, 0, 1),
+                    akv.allocate_kv_cache(spec, 0, 1, device=dev),
                     spec,
                     tp_rank=0,
                     tp_size=1,
                     mode=mode,
                     same_process="nixl",
-                    backend=NixlBackend(f"bench-layerwise-{mode}-{time.monotonic_ns()}"),
+                    backend=NixlBackend(
+                        f"bench-layerwise-{mode}-{time.monotonic_ns()}", cuda_device=cuda_index(dev)
+                    ),
                 )
             )
             sessions[mode] = await consumer.connect(str(endpoint))
@@ -104,6 +113,7 @@ async def layerwise(
         "name": "layerwise",
         "layout": "HND",
         "tp": "1->1",
+        "device": dev,
         "layers": layers,
         "compute_ms": compute_ms,
         "bytes": nbytes,

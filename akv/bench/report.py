@@ -65,6 +65,13 @@ def row(f: Figures) -> dict[str, Any]:
         "unchecked_gbps": round(f.gbps["akv_unchecked"], 3),
         "unchecked_p50_ms": round(float(np.percentile(f.latency_unchecked_ms, 50)), 3),
         "check_cost": round(f.gbps["akv_unchecked"] / f.gbps["akv"], 3),
+        **(
+            {"nixl_p50_ms": round(float(np.percentile(f.latency_nixl_ms, 50)), 3)}
+            if f.latency_nixl_ms
+            else {}
+        ),
+        "control_ops": {k: round(v, 3) for k, v in f.control_ops.items()},
+        "data_xfers": round(f.data_xfers, 3),
         **_transfer_columns(f),
         **(
             {"nixl_write_gbps": round(f.gbps["nixl_write"], 3), "torch_gbps": round(f.gbps["memcpy"], 3)}
@@ -75,6 +82,7 @@ def row(f: Figures) -> dict[str, Any]:
             {
                 "push_gbps": round(f.gbps["akv_push"], 3),
                 "push_vs_pull": round(f.gbps["akv_push"] / f.gbps["akv"], 3),
+                "push_control_ops": {k: round(v, 3) for k, v in f.push_control_ops.items()},
             }
             if "akv_push" in f.gbps
             else {}
@@ -138,8 +146,9 @@ def print_table(summary: dict[str, Any]) -> None:
         "p50_ms",
         "p99_ms",
         "unchecked_p50_ms",
+        "nixl_p50_ms",
     )
-    rows = [[str(w[c]) for c in cols] for w in summary["workloads"] if "perblock_gbps" in w]
+    rows = [[str(w.get(c, "")) for c in cols] for w in summary["workloads"] if "perblock_gbps" in w]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(widths[i]) for i, c in enumerate(cols)))
     for r in rows:

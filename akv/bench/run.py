@@ -64,7 +64,7 @@ async def run_bench(
     if mode == "push" and (not only or "layerwise" in only):
         from akv.bench.push import layerwise
 
-        lw.append(await layerwise(layers, layer_ms or 5.0, progress, rounds=4 if quick else 8))
+        lw.append(await layerwise(layers, layer_ms or 5.0, progress, rounds=4 if quick else 8, device=device))
     if only:
         named: list[dict[str, Any]] = []
         if "same_process" in only:
@@ -82,9 +82,9 @@ async def run_bench(
         }
     same = await same_process(layers, device, progress)
     progress("poller")
-    poller = await poller_figures(2.0 if quick else 5.0)
+    poller = await poller_figures(2.0 if quick else 5.0, device)
     progress("table preparation")
-    table = table_prep_fresh(10_000 if quick else 100_000)
+    table = table_prep_fresh(10_000 if quick else 100_000, device)
     small = "small_concurrent" if preset is None and not hf_config else figures[0].name
     launch_akv = [x for f in figures if f.name == small for x in f.launch_akv_us]
     launch_nixl = [x for f in figures if f.name == small for x in f.launch_nixl_us]

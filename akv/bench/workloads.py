@@ -83,6 +83,26 @@ def _hetero_tp() -> tuple[tuple[Workload, ...], tuple[tuple[str, str, str, bool]
 
 _HETERO, HEADMAJOR_PAIRS = _hetero_tp()
 
+#: The large workloads' prompt: 2,048 tokens of an 8B model (Llama 3.1 8B: 32 layers, 8 KV
+#: heads of 128, bf16), 128 KiB a token, 256 MiB a request at TP 1.
+LARGE_TOKENS, LARGE_LAYERS = 2048, 32
+
+
+def _large() -> tuple[Workload, ...]:
+    """One 256 MiB request at a time (``large``, 1->1), and head-sliced on head-major between
+    TP 1 and 2 (``large_1->2``, ``large_2->1``): bandwidth, with the fixed costs of a pull
+    small beside its bytes. A pool of one request and a few blocks more on each side."""
+    n = LARGE_TOKENS // 16
+    return tuple(
+        Workload(name, p, d, layout=layout, blocks=(n, n), layers=LARGE_LAYERS, requests=4, pool=n + 4)
+        for name, p, d, layout in (
+            ("large", 1, 1, "HND"),
+            ("large_1->2", 1, 2, "head-major"),
+            ("large_2->1", 2, 1, "head-major"),
+        )
+    )
+
+
 WORKLOADS: tuple[Workload, ...] = (
     Workload("bulk", 1, 1),
     Workload("fragmented", 1, 1, contiguous=False),
@@ -90,10 +110,13 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("prefill_tp>decode_tp", 2, 1),
     Workload("mla_prefill>decode", 2, 1, kv_heads=1, mla=True, requests=64),
     Workload("small_concurrent", 1, 1, blocks=(1, 4), contiguous=False, concurrency=32, requests=512),
+    # one block a pull, one at a time: the fixed cost of a pull (p50_ms beside nixl_p50_ms)
+    Workload("latency", 1, 1, blocks=(1, 1), requests=64),
     *_HETERO,
     Workload("mixed_bs", 1, 1, blocks=(32, 32), block_size=16, decode_block_size=32),
     # head-sliced NHD between TP sizes: one run per token, layer and K/V plane (packed transfers)
     Workload("head_sliced_nhd", 1, 2, layout="NHD", blocks=(16, 16), layers=16, requests=8, pool=128),
+    *_large(),
 )
 
 
@@ -168,6 +191,12 @@ class Figures:
     gbps: dict[str, float] = field(default_factory=dict)
     latency_ms: list[float] = field(default_factory=list)
     latency_unchecked_ms: list[float] = field(default_factory=list)
+    latency_nixl_ms: list[float] = field(default_factory=list)  # the hand-written loop's (READ)
+    #: mean per pull (one decode rank's pull of one request) of each control operation of akv's
+    #: checked pulls (`akv.metrics.CONTROL_OPS`), and of its pushed pulls (``--mode push``)
+    control_ops: dict[str, float] = field(default_factory=dict)
+    push_control_ops: dict[str, float] = field(default_factory=dict)
+    data_xfers: float = 0.0  # data transfers akv's checked pulls posted, per pull
     launch_akv_us: list[float] = field(default_factory=list)
     launch_nixl_us: list[float] = field(default_factory=list)
     transfer: str = "direct"

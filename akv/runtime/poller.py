@@ -326,6 +326,7 @@ class PullPoller:
             check = None if owner.closed else owner.flush_check(rank)
             if check is not None:
                 flush_after_notice(self._agent(), self.reaper, self.checks, check)
+                self.metrics.inc("xfers_flush")
 
     def _post_checks(self, now: float) -> None:
         """Post the exposure checks that waited for this round (one READ per prefill rank),
@@ -389,6 +390,7 @@ class PullPoller:
                 except ProtocolError:
                     self.metrics.inc("push_notices_dropped")
                     continue
+                self.metrics.inc("push_notices_received")
                 transfer = self._grants.get(notice.grant)
                 op = transfer.op if transfer is not None else None
                 if not isinstance(op, PushOp) or not op.on_notice(agent, notice):

@@ -311,6 +311,7 @@ class TransferSession:
             pool=c.checks if c.verify_exposure else None,
             generation=generation,
             batcher=self.poller.batcher,
+            count=self.metrics.inc,
         )
 
     def _launch_packed(
@@ -344,6 +345,7 @@ class TransferSession:
             remote_spec=as_cache(self.remote.remote_spec),
             prefill_tp=self.remote.prefill_tp,
             direct=None if early else self._direct(prepared, request_id, notice, generation),
+            count=self.metrics.inc,
         )
         self._started(op, op.start())
         return op, prepared.standalone
@@ -366,6 +368,7 @@ class TransferSession:
             num_tokens=req.num_tokens or 0,
         )
         self.poller.flush_notices()
+        self.metrics.inc("push_announces_sent", len(writers))  # PushOp.start sends one to each
         return PushOp(c.backend, writers, announce)
 
     def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32], generation: int = 0) -> bytes:

@@ -33,9 +33,10 @@ import numpy as np
 import numpy.typing as npt
 
 from akv import exposure
-from akv.backends import Backend, Reaper, XferHandle
+from akv.backends import Backend, Reaper, XferHandle, mem_type
 from akv.errors import AkvError, BackPressureError, ConfigError, IncompatiblePeerError, TransferError
 from akv.geometry.cache import CacheSpec
+from akv.metrics import no_count
 from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, sections
 from akv.protocol.messages import PackInfo
 from akv.runtime.paths import Failed, Outcome, PathName, Pending
@@ -82,8 +83,8 @@ class StagingPool:
             raise ConfigError(f"pack_staging_bytes must be >= 256, got {size}")
         self.arena = Arena(size)
         self.tensor = torch.empty(self.arena.size, dtype=torch.uint8, device=like.device)
-        self.mem_type = "VRAM" if like.is_cuda else "DRAM"
-        self.device_id = int(like.device.index or 0) if like.is_cuda else 0
+        # the type akv registers the staging tensor as (the same rule as the caches')
+        self.mem_type, self.device_id = mem_type([self.tensor])
         self._worker: ThreadPoolExecutor | None = None
         #: called from the worker thread when a scatter there is done (the consumer sets it
         #: to wake its poller, which would otherwise sleep until its next tick)
@@ -208,8 +209,10 @@ class PackedRead:
         remote_spec: CacheSpec,
         prefill_tp: int,
         direct: NixlRead | None,
+        count: Callable[[str, int], None] = no_count,
     ) -> None:
         self.backend = backend
+        self.count = count  # the decode rank's counters (`akv.Metrics.inc`)
         self.reaper = reaper
         self.request_id = request_id
         self.prepared = prepared
@@ -303,6 +306,7 @@ class PackedRead:
             except TransferError as exc:
                 self.abort()
                 return Failed(exc, rank)
+            self.count("xfers_directory", 1)
             self._lookups[handle] = rank
         return None
 
@@ -398,6 +402,7 @@ class PackedRead:
             generation=gens,
             packed=True,
             on_settled=self._on_landed,
+            count=self.count,
         )
         self.read.owner = self  # the consumer asks the reaper whether this pull may still land
         return self.read.start()

@@ -26,6 +26,7 @@ import numpy.typing as npt
 from akv import exposure
 from akv.backends import Backend, DlistHandle, Reaper, XferHandle
 from akv.errors import AkvError, BackPressureError, ConfigError, PeerLostError, TransferError
+from akv.metrics import no_count
 from akv.protocol.messages import merge_done_notices
 from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
 
@@ -102,13 +103,21 @@ class CheckTicket:
     reads and its "done" notice; ``batch`` is the READ it went out with (None: still waiting
     in the `CheckBatcher`)."""
 
-    __slots__ = ("backend", "batch", "bucket", "check", "notice", "reaper", "slot")
+    __slots__ = ("backend", "batch", "bucket", "check", "count", "notice", "reaper", "slot")
 
     def __init__(
-        self, backend: Backend, reaper: Reaper, check: RankCheck, slot: int, bucket: int, notice: bytes
+        self,
+        backend: Backend,
+        reaper: Reaper,
+        check: RankCheck,
+        slot: int,
+        bucket: int,
+        notice: bytes,
+        count: Callable[[str, int], None] = no_count,
     ) -> None:
         self.backend, self.reaper, self.check = backend, reaper, check
         self.slot, self.bucket, self.notice = slot, bucket, notice
+        self.count = count  # the decode rank's counters (the READ it goes out with counts once)
         self.batch: CheckBatch | None = None
 
     def poll(self) -> bool | AkvError:
@@ -224,6 +233,7 @@ class CheckBatcher:
                         np.fromiter((t.bucket for t in tickets), np.int32, len(tickets)),
                         merge_done_notices([t.notice for t in tickets]),
                     )
+                    first.count("xfers_check", 1)
                 except AkvError as exc:
                     error = exc
                 CheckBatch(tickets, self.pool, handle, error)
@@ -266,7 +276,8 @@ class NixlRead:
     data reads carry the notice. ``generation``: one for every rank or per rank; ``packed``:
     the posts read packed copies (`akv.exposure.verify`); ``on_settled``: called once no data
     read can still land (at once, or after an abort, once NIXL released them all); ``batcher``:
-    the checks wait there for the poller's round (None: each is posted at once)."""
+    the checks wait there for the poller's round (None: each is posted at once); ``count``:
+    the decode rank's counters (`akv.Metrics.inc`: data and check READs posted)."""
 
     path: PathName = "read"
 
@@ -286,10 +297,12 @@ class NixlRead:
         packed: bool = False,
         on_settled: Callable[[], None] | None = None,
         batcher: CheckBatcher | None = None,
+        count: Callable[[str, int], None] = no_count,
     ) -> None:
         self.backend = backend
         self.reaper = reaper
         self.posts = posts
+        self.count = count
         self.request_id = request_id
         self.remote_ids = remote_ids
         self.read_ids = read_ids
@@ -339,6 +352,7 @@ class NixlRead:
             except TransferError as exc:
                 self.abort()
                 return Failed(exc, post.rank)
+            self.count("xfers_data", 1)
             self._pending[handle] = post.rank
         return None
 
@@ -407,7 +421,7 @@ class NixlRead:
             self._slots[rank] = slot
             bucket = h % check.buckets
             if self.batcher is not None:
-                ticket = CheckTicket(self.backend, self.reaper, check, slot, bucket, self.notice)
+                ticket = CheckTicket(self.backend, self.reaper, check, slot, bucket, self.notice, self.count)
                 self._tickets[rank] = ticket
                 self.batcher.add(ticket)
                 continue
@@ -421,6 +435,7 @@ class NixlRead:
                 )
             except TransferError as exc:
                 return Failed(exc, rank)
+            self.count("xfers_check", 1)
             self._pending[handle] = rank
         return None
 

@@ -1,0 +1,148 @@
+"""What a pull costs besides its bytes, counted (issue 39): the NIXL transfers a decode rank
+posts by kind and the control messages of push mode, from the ranks' own metrics
+(`akv.metrics.CONTROL_OPS`, which ``akv bench`` reports as ``control_ops``). On a GPU each of
+these is a round trip that costs more than the bytes of a small pull, so a change that adds
+one fails here, on CPU. Real NIXL agents over UCX loopback (DRAM), prefill ranks of this
+process read through NIXL.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import pytest
+
+import akv
+from akv.metrics import CONTROL_OPS
+from akv.testing import make_requests, verify_request
+from tests.conftest import local_ids, make_spec, prefill_engine
+from tests.transfers import pull_request
+
+pytestmark = pytest.mark.anyio
+
+SPEC = make_spec(kv_heads=4)
+PULLS = 4
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def pulls_counted(
+    p: int, consumer_kw: dict[str, Any], prefill_kw: dict[str, Any]
+) -> tuple[set[str], dict[str, float], list[dict[str, int]]]:
+    """`PULLS` requests pulled one after the other by one decode rank from a ``p``-rank engine,
+    each checked bit-exact; the paths taken, the decode rank's counters spent per pull (those
+    of `CONTROL_OPS` by kind, and ``xfers_data``), and each prefill rank's counters."""
+    reqs = make_requests(SPEC, PULLS, 3, seed=9)
+    async with prefill_engine(SPEC, p, **prefill_kw) as engine, AsyncExitStack() as stack:
+        engine.expose_requests(reqs)
+        c = await stack.enter_async_context(
+            akv.Consumer(
+                akv.allocate_kv_cache(SPEC, 0, 1),
+                SPEC,
+                tp_rank=0,
+                tp_size=1,
+                same_process="nixl",
+                **consumer_kw,
+            )
+        )
+        session = await c.connect(engine.endpoint)
+        before = dict(c.metrics.snapshot().counters)
+        paths = set()
+        for n, req in enumerate(reqs):
+            local = local_ids(SPEC, n, req.num_tokens)
+            result = await (await session.pull(pull_request(req, local)))
+            paths.add(result.path)
+            assert verify_request(c.kv_caches, SPEC, 0, 1, local, req.seed, num_tokens=req.num_tokens)
+        await anyio.sleep(0.1)  # background reads behind the last notices
+        after = c.metrics.snapshot().counters
+        spent = {k: (after.get(v, 0) - before.get(v, 0)) / PULLS for k, v in CONTROL_OPS.items()}
+        spent["data"] = (after["xfers_data"] - before.get("xfers_data", 0)) / PULLS
+        prefill = [dict(prod.metrics.snapshot().counters) for prod in engine.producers]
+    return paths, spent, prefill
+
+
+@pytest.mark.parametrize("p", [1, 2])
+async def test_a_direct_pull_posts_one_read_and_one_check_per_prefill_rank(p: int) -> None:
+    """A checked direct pull from ``p`` prefill ranks posts, per rank, one data READ and one
+    check READ (carrying the "done" notice), then one background READ behind it; no standalone
+    notice, no directory, no push message."""
+    paths, spent, _ = await pulls_counted(p, {}, {})
+    assert paths == {"read"}
+    assert spent == {
+        "data": p,
+        "check_reads": p,
+        "directory_reads": 0,
+        "flush_reads": p,
+        "notices": 0,
+        "push_announces": 0,
+        "push_notices": 0,
+    }
+
+
+@pytest.mark.parametrize("p", [1, 2])
+async def test_a_packed_pull_adds_only_the_directory_read(p: int) -> None:
+    """A checked packed pull from ``p`` prefill ranks posts, per rank, one directory READ, one
+    READ of the packed copy, one check READ and one background READ; nothing else."""
+    paths, spent, _ = await pulls_counted(p, {"transfer": "packed"}, {"transfer": "packed"})
+    assert paths == {"packed"}
+    assert spent == {
+        "data": p,
+        "check_reads": p,
+        "directory_reads": p,
+        "flush_reads": p,
+        "notices": 0,
+        "push_announces": 0,
+        "push_notices": 0,
+    }
+
+
+@pytest.mark.parametrize("p", [1, 2])
+async def test_a_push_costs_one_announcement_and_one_pushed_notice_per_writer(p: int) -> None:
+    """A pushed pull from ``p`` writers sends each one announcement and receives one notice
+    ("pushed") from each, and posts no READ at all; each writer receives that one announcement,
+    posts one WRITE and sends one "pushed" per pull."""
+    paths, spent, prefill = await pulls_counted(p, {"mode": "push"}, {})
+    assert paths == {"push"}
+    assert spent == {
+        "data": 0,
+        "check_reads": 0,
+        "directory_reads": 0,
+        "flush_reads": 0,
+        "notices": 0,
+        "push_announces": p,
+        "push_notices": p,
+    }
+    for counters in prefill:
+        assert counters["notifications_received"] == PULLS
+        assert counters["push_announcements"] == PULLS
+        assert counters["push_writes"] == PULLS
+        assert counters["pushes"] == PULLS
+
+
+def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
+    """`akv bench --only latency --mode push` reports, for one-block pulls, akv's p50 beside the
+    hand-written loop's (``nixl_p50_ms``), and per pull one data READ with one check READ and
+    one background READ (``control_ops``), and for pushed pulls one announcement and one
+    notice (``push_control_ops``)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "akv", "bench", "--quick", "--only", "latency", "--mode", "push", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (w,) = json.loads(proc.stdout.splitlines()[-1])["workloads"]
+    assert w["name"] == "latency" and w["tp"] == "1->1" and w["paths"] == {"read": 64}
+    assert w["p50_ms"] > 0 and w["nixl_p50_ms"] > 0
+    assert w["data_xfers"] == 1
+    zero = dict.fromkeys(CONTROL_OPS, 0)
+    assert w["control_ops"] == {**zero, "check_reads": 1, "flush_reads": 1}
+    assert w["push_control_ops"] == {**zero, "push_announces": 1, "push_notices": 1}
