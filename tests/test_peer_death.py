@@ -5,6 +5,7 @@ survivor still runs, a new peer pulls from it bit-exact, and every exposure is r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
 import akv
 from akv.testing import fetch_requests, spawn_prefill, verify_request
@@ -27,11 +29,23 @@ ROUNDS = int(os.environ.get("AKV_CHAOS_ROUNDS", "10"))
 #: a fresh prefill process per round (~15 s each): fewer by default, AKV_CHAOS_PREFILL_ROUNDS for more
 PREFILL_ROUNDS = int(os.environ.get("AKV_CHAOS_PREFILL_ROUNDS", "3"))
 PER_REQUEST = 128  # 256 KiB blocks: 32 MiB requests
-GEOMETRY = ["--layers", "4", "--kv-heads", "8", "--block-size", "16", "--head-dim", "128", "--dtype", "bfloat16"]
+GEOMETRY = [
+    "--layers",
+    "4",
+    "--kv-heads",
+    "8",
+    "--block-size",
+    "16",
+    "--head-dim",
+    "128",
+    "--dtype",
+    "bfloat16",
+]
 TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 POINTS = (0.0, 0.25, 0.75)  # fractions of a clean transfer's time: just posted, a quarter, most
-#: (transport, mode): over TCP the consumer's default mode (push there), elsewhere both modes.
-LINKS = [("tcp", None), ("default", "pull"), ("default", "push")]
+#: (transport, mode): over TCP the consumer's default mode (push there) and push named (pull is
+#: refused there: tests/test_mode_choice.py), elsewhere both modes.
+LINKS = [("tcp", None), ("tcp", "push"), ("default", "pull"), ("default", "push")]
 
 DECODE = """
 import json, sys, anyio, akv
@@ -121,7 +135,9 @@ async def pull_exact(endpoint: str, s: akv.KVSpec, req: Any, mode: str | None) -
 
 @pytest.mark.parametrize("transport_env,mode", [((t), m) for t, m in LINKS], indirect=["transport_env"])
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-async def test_decode_dying_mid_transfer_leaves_prefill_serving(transport_env: str, mode: str | None, fault: str) -> None:
+async def test_decode_dying_mid_transfer_leaves_prefill_serving(
+    transport_env: str, mode: str | None, fault: str
+) -> None:
     """A decode process SIGKILLed, or SIGSTOPped and resumed, at three points of a 32 MiB pull:
     the prefill process never dies, a new decode pulls bit-exact after every round, and every
     request the new decodes pulled is released once, none twice."""
@@ -168,9 +184,65 @@ async def test_decode_dying_mid_transfer_leaves_prefill_serving(transport_env: s
         stop(proc)
 
 
+@pytest.mark.parametrize(
+    "transport_env,mode", [((t), m) for t, m in LINKS if t == "tcp"], indirect=["transport_env"]
+)
+async def test_decode_closing_its_session_mid_transfer_leaves_prefill_serving(
+    transport_env: str, mode: str | None
+) -> None:
+    """A decode rank (this process) closing its session at three points of a 32 MiB pull: the
+    pull fails with ClosedError (or was done), nothing of it lands in the blocks refilled once
+    aclose returned, the prefill never dies, the next pull verifies bit-exact, and the prefill
+    releases every request once."""
+    transport = transport_env
+    requests = 2 * ROUNDS + 1
+    proc, endpoint = start_prefill(requests, transport, lease=600.0)
+    try:
+        s = spec(requests * PER_REQUEST)
+        reqs = await fetch_requests(endpoint, s, None, "chaos")
+        kv = akv.allocate_kv_cache(s, 0, 1)
+        local = list(range(PER_REQUEST))
+        async with akv.Consumer(
+            kv, s, tp_rank=0, tp_size=1, mode=mode, transfer_timeout=30, stop_grace_s=2
+        ) as c:
+            started = time.monotonic()
+            await (await (await c.connect(endpoint)).pull(reqs[-1].request_id, local, reqs[-1].block_ids))
+            clean = time.monotonic() - started
+            for k in range(ROUNDS):
+                session = await c.connect(endpoint)
+                assert session.mode == (mode or "push"), session.mode  # over TCP the default pushes
+                t = await session.pull(reqs[2 * k].request_id, local, reqs[2 * k].block_ids)
+                await anyio.sleep(POINTS[k % len(POINTS)] * clean)
+                with anyio.fail_after(30):
+                    await session.aclose()
+                for region in kv:  # the engine reuses the blocks at once
+                    region.view(torch.uint8)[local] = 0x5A
+                with contextlib.suppress(akv.ClosedError):
+                    await t
+                await anyio.sleep(0.5)
+                assert all(bool((r.view(torch.uint8)[local] == 0x5A).all()) for r in kv), (
+                    f"round {k}: bytes landed"
+                )
+                assert proc.poll() is None, f"round {k}: the prefill died ({proc.returncode})"
+                r = reqs[2 * k + 1]
+                with anyio.fail_after(60):
+                    await (await (await c.connect(endpoint)).pull(r.request_id, local, r.block_ids))
+                assert verify_request(kv, s, 0, 1, local, r.seed)
+        proc.send_signal(signal.SIGTERM)  # the summary: no request released twice
+        assert proc.stdout is not None
+        out = await anyio.to_thread.run_sync(proc.stdout.read)
+        assert proc.wait(10) >= 0, f"the prefill died of signal {-proc.returncode}"
+        summary = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1]
+        assert summary["duplicate_releases"] == 0 and summary["released"] >= ROUNDS + 1, summary
+    finally:
+        stop(proc)
+
+
 @pytest.mark.parametrize("transport_env,mode", [((t), m) for t, m in LINKS], indirect=["transport_env"])
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-async def test_prefill_dying_mid_transfer_leaves_decode_serving(transport_env: str, mode: str | None, fault: str) -> None:
+async def test_prefill_dying_mid_transfer_leaves_decode_serving(
+    transport_env: str, mode: str | None, fault: str
+) -> None:
     """A prefill process SIGKILLed, or SIGSTOPped (resumed once the pull failed), at three points
     of a pull: the pull fails typed within its timeout plus 5 s, this decode keeps running and
     pulls bit-exact from another prefill engine, and a stopped prefill still serves once resumed."""
@@ -204,9 +276,13 @@ async def test_prefill_dying_mid_transfer_leaves_decode_serving(transport_env: s
                     if fault == "stop":
                         victim.send_signal(signal.SIGCONT)
                         await anyio.sleep(0.5)
-                        assert victim.poll() is None, f"round {k}: the resumed prefill died ({victim.returncode})"
+                        assert victim.poll() is None, (
+                            f"round {k}: the resumed prefill died ({victim.returncode})"
+                        )
                         await pull_exact(endpoint, s, reqs[1], mode)
-                        assert victim.poll() is None, f"round {k}: the resumed prefill died ({victim.returncode})"
+                        assert victim.poll() is None, (
+                            f"round {k}: the resumed prefill died ({victim.returncode})"
+                        )
                     await session.aclose()
                 finally:
                     stop(victim)

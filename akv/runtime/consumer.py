@@ -121,9 +121,10 @@ class Consumer(RankBase):
             [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``transfer`` at
             connect if a prefill rank keeps none) or ``"auto"`` (packed where every rank read
             from packs and the direct read would post more than ``pack_threshold``
-            descriptors, or a rank released its blocks after packing). Pull mode only:
+            descriptors, or a rank released its blocks after packing). Pulls only:
             ``mode="push"`` with ``transfer="packed"`` is a
-            [`ConfigError`][akv.errors.ConfigError] (pushes write the paged blocks).
+            [`ConfigError`][akv.errors.ConfigError] (pushes write the paged blocks), and a
+            session of mode "auto" that pushes (see ``mode``) ignores it.
         pack_staging_bytes: the registered staging area packed reads land in (a pull that
             finds it full reads directly, or fails with
             [`BackPressureError`][akv.errors.BackPressureError] when it cannot).
