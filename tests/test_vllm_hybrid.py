@@ -87,7 +87,8 @@ def assert_equal(h: Hybrid, got: list[int], want: tuple[list[int], list[float]],
     if got == tokens:
         return
     first = next(i for i, (a, b) in enumerate(zip(got, tokens, strict=True)) if a != b)
-    assert h.arch == "qwen3_next" and margins and margins[first] <= NEAR_TIE, (what, first, margins[first], got, tokens)
+    assert h.arch == "qwen3_next" and margins and margins[first] <= NEAR_TIE, (what, first, margins[first] if margins else None, got, tokens)
+    print(f"{h.arch} {what}: parts from colocated at token {first}, a near-tie (top-2 margin {margins[first]:.4f})")
 
 
 def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybrid) -> None:

@@ -397,3 +397,47 @@ async def test_pull_state_and_attention_groups_sharing_tensors() -> None:
     assert torch.equal(conv_d[5], conv_p[3]) and torch.equal(ssm_d[5], ssm_p[3])
     assert torch.equal(kv_d[attn_name][2], kv_p[attn_name][1])
     assert not conv_d[4].any() and not ssm_d[6].any() and bool((pad[5] == 7).all())
+
+
+def test_scheduler_hybrid_state_slot_and_truncation() -> None:
+    """A hybrid model: prefill drops the prompt's last token and ends after one output token;
+    it exposes the request's running state slot (the last live one) beside its attention
+    blocks; decode fills the state slot vLLM allocated, whole, also with a local prefix hit,
+    and computes a request itself whose prefill state holds every prompt token."""
+    from types import SimpleNamespace
+
+    from akv.integrations.vllm.identity import Identity
+    from akv.integrations.vllm.scheduler import SchedulerHalf
+
+    ident = Identity(parse_options({}), "vllm-p", 5700, 1, 128, "block", producer=True, consumer=True)
+    half = SchedulerHalf(ident, [0, 0], [False, True])  # attention, then a Mamba2 group
+    tokens = list(range(300))
+    params: dict[str, Any] = {"do_remote_decode": True}
+    req = SimpleNamespace(
+        request_id="p", prompt_token_ids=tokens, _all_token_ids=list(tokens), num_prompt_tokens=300,
+        max_tokens=16, kv_transfer_params=params,
+    )
+    half.on_new_request(req)
+    half.on_new_request(req)  # once only
+    assert req.num_prompt_tokens == 299 and len(req.prompt_token_ids) == 299 and req.max_tokens == 1
+    # vLLM's 'align' mode keeps a state per block position, nulling the old ones; 'none' one slot
+    assert half._exposable(([1, 2, 3], [0, 8, 9]), 299) == ((1, 2, 3), (9,))
+    assert half._exposable(([1, 2, 3], [7]), 299) == ((1, 2, 3), (7,))
+
+    def block(i: int, hashed: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(block_id=i, block_hash=b"h" if hashed else None, is_null=i == 0)
+
+    def decode(n: int, prompt: int, blocks: list[list[SimpleNamespace]], computed: int = 0) -> Any:
+        remote = RemoteKV("10.0.0.1:5700", "req", ((1, 2, 3), (9,)), 7, n, 128, 60.0)
+        r = SimpleNamespace(request_id="r", prompt_token_ids=[1] * prompt, kv_transfer_params=remote.to_params("p", 1))
+        count, _ = half.get_num_new_matched_tokens(r, computed)
+        if count:
+            half.update_state_after_alloc(r, SimpleNamespace(blocks=blocks), count)
+        return count, half.build_meta(SimpleNamespace(num_scheduled_tokens={})).pull.get("r")
+
+    count, job = decode(299, 300, [[block(4), block(5), block(6)], [block(11)]])
+    assert count == 299 and job.local_block_ids == ((4, 5, 6), (11,))
+    # a local prefix hit of one block: attention pulls the rest, the state slot is pulled whole
+    count, job = decode(299, 300, [[block(4, True), block(5), block(6)], [block(0), block(12), block(13)]], 128)
+    assert count == 171 and job.local_block_ids == ((5, 6), (13,))
+    assert decode(300, 300, []) == (0, None)  # prefill's state already holds the last token
