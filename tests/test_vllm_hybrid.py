@@ -33,6 +33,15 @@ ARCHS = {
     "nemotron_h": ("float32", [*FAST, "--dtype", "float32", "--no-enable-prefix-caching"]),
     "qwen3_next": ("bfloat16", FAST),
 }
+#: arch -> (attention block size vLLM picks, bytes of one attention block, state bytes of one
+#: request over its layers). Nemotron-H: 1 attention layer (4 KV heads of 32, float32), 2 Mamba2
+#: layers (conv 288 x 3 + SSM 8 x 32 x 16, float32); Qwen3-Next: 1 attention layer (2 KV heads
+#: of 64, bf16), 3 GDN layers (conv 512 x 3 + state 2 x 128 x 128, bf16). vLLM pads each state
+#: page to the attention page; akv moves the state without the padding.
+PULLED = {
+    "nemotron_h": (128, 128 * 4 * 2 * 32 * 4, 2 * (288 * 3 + 8 * 32 * 16) * 4),
+    "qwen3_next": (256, 256 * 2 * 2 * 64 * 2, 3 * (512 * 3 + 2 * 128 * 128) * 2),
+}
 NEAR_TIE = 0.1  # bf16: a top-2 log-probability margin at most this is a near-tie (docs/vllm.md)
 
 
@@ -94,10 +103,12 @@ def assert_equal(h: Hybrid, got: list[int], want: tuple[list[int], list[float]],
 def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybrid) -> None:
     """Greedy tokens through prefill -> akv -> decode equal a colocated run for prompt lengths
     around and past the block size; decode counts all but each prompt's last token as external
-    KV (it computes that one from the pulled state) and prefill frees every block."""
+    KV (it computes that one from the pulled state), akv pulls those tokens' attention blocks
+    and each state slot whole (without vLLM's page padding), and prefill frees every block."""
     h = hybrid
     name = "vllm:prompt_tokens_by_source_total"
     before = metric(h.decode, name, source="external_kv_transfer")
+    pulled = metric(h.decode, "vllm:akv_pull_bytes_total")
     lengths = (37, 300, 900)
     for i, n in enumerate(lengths):
         tokens = prompt(n, seed=800 + i)
@@ -105,6 +116,9 @@ def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybri
     time.sleep(1.5)  # vLLM publishes its stats on an interval
     want = before + sum(n - 1 for n in lengths)
     assert wait_metric(h.decode, name, want, source="external_kv_transfer") == want
+    block, block_bytes, state_bytes = PULLED[h.arch]
+    want = pulled + sum(-(-(n - 1) // block) * block_bytes + state_bytes for n in lengths)
+    assert wait_metric(h.decode, "vllm:akv_pull_bytes_total", want) == want
     assert wait_metric(h.prefill, "vllm:kv_cache_usage_perc", 0.0) == 0.0
 
 
