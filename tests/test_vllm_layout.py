@@ -441,3 +441,21 @@ def test_scheduler_hybrid_state_slot_and_truncation() -> None:
     count, job = decode(299, 300, [[block(4, True), block(5), block(6)], [block(0), block(12), block(13)]], 128)
     assert count == 171 and job.local_block_ids == ((5, 6), (13,))
     assert decode(300, 300, []) == (0, None)  # prefill's state already holds the last token
+
+
+def test_state_tensors_akv_cannot_read_in_place_are_refused() -> None:
+    """A state view that is not int8 pages, pages closer than their bytes, or pages spaced past
+    the allocation (blocks outside layers) are ConfigErrors naming the group."""
+    spec = mamba_spec("mamba2")
+    _, pieces = state_pieces(spec, 1, True)
+    group = LayerGroup("g1", "mamba2", ("model.layers.0.mixer",), 0, 0, pieces=pieces)
+    c = spec.page_size_bytes
+    raw = torch.zeros(NB * 2 * c, dtype=torch.int8)
+    for bad, match in (
+        (torch.zeros(NB, 1, 1, c // 4), "int8"),
+        (raw.as_strided((NB, 1, 1, c), (c // 2, c, c, 1)), "apart"),
+        (torch.zeros((NB - 1) * 4 * c + c, dtype=torch.int8).as_strided((NB, 1, 1, c), (4 * c, c, c, 1)),
+         "past the KV allocation"),
+    ):
+        with pytest.raises(akv.ConfigError, match=match):
+            describe({"model.layers.0.mixer": bad}, [group], content="block")

@@ -24,9 +24,10 @@ Layouts of token groups (``lu`` local units, ``bs`` tokens per block, ``e`` unit
 
 MLA groups (one replicated unit) keep the per-layer shape ``(blocks, bs, e)``. State groups
 hold per layer one region ``(slots, n)`` per tensor (components naming one tensor are
-concatenated; ``slot_stride`` widens a one-tensor group's ``n`` to an engine's padded slot); with ``cross-layer`` one region ``(slots, L, n)``; with ``head-major`` one
-region ``(slots, n)`` holding, component after component, each unit's every layer together
-(a unit range of a component is one run).
+concatenated; ``slot_stride`` widens a one-tensor group's ``n`` to an engine's padded slot);
+with ``cross-layer`` one region ``(slots, L, n)``; with ``head-major`` one region
+``(slots, n)`` holding, component after component, each unit's every layer together (a unit
+range of a component is one run).
 """
 
 from __future__ import annotations

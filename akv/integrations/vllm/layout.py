@@ -210,6 +210,11 @@ def _state_region(t: torch.Tensor, group: LayerGroup) -> torch.Tensor:
             f"group {group.name!r}: state pages of {t.shape[3]} bytes {stride} bytes apart "
             f"(strides {t.stride()}): akv reads each layer's slots in place (use a layer-major layout)"
         )
+    if t.storage_offset() + t.shape[0] * stride > t.untyped_storage().nbytes():
+        raise ConfigError(
+            f"group {group.name!r}: state pages {stride} bytes apart run past the KV allocation: "
+            "akv reads each layer's slots in place (use a layer-major layout)"
+        )
     return t.as_strided((t.shape[0], stride), (stride, 1))
 
 
