@@ -12,7 +12,14 @@ import pytest
 import torch
 
 import akv
-from akv.integrations.vllm.layout import Content, LayerGroup, content_for_device, describe, layer_index
+from akv.integrations.vllm.layout import (
+    Content,
+    LayerGroup,
+    content_for_device,
+    describe,
+    layer_index,
+    state_pieces,
+)
 from akv.integrations.vllm.options import parse_options
 from akv.integrations.vllm.params import RemoteKV
 
@@ -247,3 +254,208 @@ def test_scheduler_block_ids_per_group_with_a_sliding_window() -> None:
     # 191 tokens: vLLM freed block 0 of the sliding group on prefill, token 127 with it
     assert half._exposable(([1, 2], [4, 5]), 191) == ((1, 2), (5,))
     assert decode(191, ((1, 2), (5,)), []) == (0, None)
+
+
+# -- hybrid state groups (vLLM's MambaSpec) ----------------------------------------------
+
+#: Per-layer state as vLLM's layers hold it (conv state DS: (dim, taps); then the temporal state):
+#: Nemotron-H's tiny Mamba2 (8 heads of 32, 1 group, state 16, kernel 4, float32) and
+#: Qwen3-Next's tiny GDN (1 key head, 2 value heads, dims 128, kernel 4, bf16).
+MAMBA2_SHAPES = ((8 * 32 + 2 * 16, 3), (8, 32, 16))
+GDN_SHAPES = ((2 * 128 + 2 * 128, 3), (2, 128, 128))
+
+
+def mamba_spec(kind: str, **kw: Any) -> Any:
+    """The fields of vLLM's MambaSpec the connector reads, as vLLM fills them for these models."""
+    from types import SimpleNamespace
+
+    shapes, dtype = (MAMBA2_SHAPES, torch.float32) if kind == "mamba2" else (GDN_SHAPES, torch.bfloat16)
+    fields: dict[str, Any] = dict(shapes=shapes, dtypes=(dtype, dtype), num_speculative_blocks=0,
+                                  mamba_type=SimpleNamespace(name="MAMBA2" if kind == "mamba2" else "GDN_ATTN"))
+    fields.update(kw)
+    size = torch.empty((), dtype=dtype).element_size()
+    fields["page_size_bytes"] = sum(int(torch.tensor(s).prod()) for s in fields["shapes"]) * size
+    return SimpleNamespace(**fields)
+
+
+def state_caches(spec: Any, names: list[str], page: int) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+    """What vLLM's allocator and the layers' bind_kv_cache make of one int8 buffer (layer-major):
+    per layer an int8 [slots, 1, 1, state bytes] view whose slots sit ``page`` bytes apart, and
+    the layer's own (conv, temporal) state views into it."""
+    content = spec.page_size_bytes
+    raw = torch.zeros(len(names) * NB * page, dtype=torch.int8)
+    kv, states = {}, []
+    for li, name in enumerate(names):
+        t = raw.as_strided((NB, 1, 1, content), (page, content, content, 1), li * NB * page)
+        kv[name] = t
+        pages, off, mine = t.squeeze(dim=(1, 2)), 0, []
+        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+            n = int(torch.tensor(shape).prod()) * torch.empty((), dtype=dtype).element_size()
+            mine.append(pages[:, off : off + n].view(dtype).view(-1, *shape))
+            off += n
+        states.append(tuple(mine))
+    return kv, states
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+def test_state_group_components_are_views_of_vllm_state(kind: str) -> None:
+    """A MambaSpec group maps onto akv components that are exactly vLLM's conv sub-projections
+    (x / B / C or q / k / v, each head's channels and taps) and temporal state heads, in place."""
+    spec = mamba_spec(kind)
+    got_kind, pieces = state_pieces(spec, 1, conv_dim_first=True)
+    assert got_kind == kind
+    names = [f"model.layers.{i}.mixer" for i in (0, 2)]
+    kv, states = state_caches(spec, names, page=spec.page_size_bytes + 4096)  # padded page
+    for conv, temporal in states:
+        conv.copy_(torch.randn_like(conv, dtype=torch.float32))
+        temporal.copy_(torch.randn_like(temporal, dtype=torch.float32))
+    group = LayerGroup("g1", kind, tuple(names), 0, 0, pieces=pieces)  # type: ignore[arg-type]
+    cache, regions = describe(kv, [group], content="block")
+    g = cache.groups[0]
+    assert g.kind == kind and g.layers == (0, 2) and g.block_size == 1 and g.dtype == "int8"
+    assert [c.name for c in g.components] == (["x", "B", "C", "ssm"] if kind == "mamba2" else ["q", "k", "v", "state"])
+    views = akv.layer_views(regions, cache, 0, 1)["g1"]
+    for li, (conv, temporal) in enumerate(states):
+        assert regions[li].data_ptr() == kv[names[li]].data_ptr()
+        if kind == "mamba2":  # conv channels: x = 8 heads x 32, then B, C = 1 group x 16
+            splits = {"x": (0, 32, 8), "B": (256, 16, 1), "C": (272, 16, 1)}
+        else:  # q, k = 1 key head x 128, v = 2 value heads x 128
+            splits = {"q": (0, 128, 1), "k": (128, 128, 1), "v": (256, 128, 2)}
+        for name, (start, width, units) in splits.items():
+            for u in range(units):
+                want = conv[:, start + u * width : start + (u + 1) * width, :].contiguous()
+                assert torch.equal(views[li][name][:, u].view(conv.dtype).view(NB, width, 3), want), (name, u)
+        last = "ssm" if kind == "mamba2" else "state"
+        for h in range(spec.shapes[1][0]):
+            got = views[li][last][:, h].view(temporal.dtype).view(NB, *spec.shapes[1][1:])
+            assert torch.equal(got, temporal[:, h]), (last, h)
+
+
+def test_state_groups_refused_unless_akv_can_read_them() -> None:
+    """The (taps, dim) conv layout, Mamba1 state and a state whose conv dim does not split are
+    ConfigErrors naming what to change."""
+    from types import SimpleNamespace
+
+    spec = mamba_spec("mamba2")
+    with pytest.raises(akv.ConfigError, match="VLLM_SSM_CONV_STATE_LAYOUT=DS"):
+        state_pieces(spec, 1, conv_dim_first=False)
+    with pytest.raises(akv.ConfigError, match="MAMBA1"):
+        state_pieces(mamba_spec("mamba2", mamba_type=SimpleNamespace(name="MAMBA1")), 1, True)
+    with pytest.raises(akv.ConfigError, match="conv dim"):
+        state_pieces(mamba_spec("mamba2", shapes=((300, 3), (8, 32, 16))), 1, True)
+
+
+@pytest.mark.anyio
+async def test_pull_state_and_attention_groups_sharing_tensors() -> None:
+    """Nemotron-H's groups as vLLM's hybrid allocator lays them out (an attention layer and a
+    Mamba2 layer sharing one tensor, the state page padded to the attention page): a pull with
+    one state slot and the attention blocks moves the whole slot, over NIXL READs, and leaves
+    other slots and the page's padding alone."""
+    spec = mamba_spec("mamba2")
+    _, pieces = state_pieces(spec, 1, True)
+    attn_name, mamba_name = "model.layers.1.mixer.attn", "model.layers.0.mixer"
+    tokens = 128  # vLLM raises the attention block until its page holds the state's
+    page = HEADS * tokens * 2 * HS * 4  # the float32 attention page
+    assert page >= spec.page_size_bytes
+
+    conv_bytes = MAMBA2_SHAPES[0][0] * 3 * 4
+
+    def caches() -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        raw = torch.zeros(NB * page, dtype=torch.int8)  # one tensor, shared by both layers
+        attn = raw.view(torch.float32).view(NB, HEADS, tokens, 2 * HS)
+        c = spec.page_size_bytes
+        mamba = raw.as_strided((NB, 1, 1, c), (page, c, c, 1), 0)
+        conv = raw.as_strided((NB, conv_bytes), (page, 1), 0).view(torch.float32).view(NB, *MAMBA2_SHAPES[0])
+        ssm = raw.as_strided((NB, c - conv_bytes), (page, 1), conv_bytes).view(torch.float32)
+        return {attn_name: attn, mamba_name: mamba}, (conv, ssm.view(NB, *MAMBA2_SHAPES[1]))
+
+    groups = [LayerGroup("g0", "full", (attn_name,), HEADS, HS), LayerGroup("g1", "mamba2", (mamba_name,), 0, 0, pieces=pieces)]
+    kv_p, (conv_p, ssm_p) = caches()
+    kv_d, (conv_d, ssm_d) = caches()
+    conv_p.copy_(torch.randn_like(conv_p))
+    ssm_p.copy_(torch.randn_like(ssm_p))
+    kv_p[attn_name][1].copy_(torch.randn(HEADS, tokens, 2 * HS))
+    pad = kv_d[mamba_name].as_strided((NB, page), (page, 1))[:, spec.page_size_bytes :]
+    pad.fill_(7)
+    remote = {"g0": [1], "g1": [3]}
+    local = {"g0": [2], "g1": [5]}
+    async with AsyncExitStack() as stack:
+        server = akv.ControlServer()
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        await tg.start(server.serve)
+        cache, regions = describe(kv_p, groups, content="block")
+        producer = await stack.enter_async_context(
+            akv.Producer(regions, cache, tp_rank=0, tp_size=1, engine_id="vllm-p", server=server)
+        )
+        producer.expose("req", remote, generation=3)
+        cache, regions = describe(kv_d, groups, content="block")
+        async with akv.Consumer(regions, cache, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+            session = await consumer.connect(str(server.endpoint))
+            req = akv.PullRequest(request_id="req", local_block_ids=local, remote_block_ids=remote, generation=3)
+            assert (await (await session.pull(req))).path == "read"
+        tg.cancel_scope.cancel()
+    assert torch.equal(conv_d[5], conv_p[3]) and torch.equal(ssm_d[5], ssm_p[3])
+    assert torch.equal(kv_d[attn_name][2], kv_p[attn_name][1])
+    assert not conv_d[4].any() and not ssm_d[6].any() and bool((pad[5] == 7).all())
+
+
+def test_scheduler_hybrid_state_slot_and_truncation() -> None:
+    """A hybrid model: prefill drops the prompt's last token and ends after one output token;
+    it exposes the request's running state slot (the last live one) beside its attention
+    blocks; decode fills the state slot vLLM allocated, whole, also with a local prefix hit,
+    and computes a request itself whose prefill state holds every prompt token."""
+    from types import SimpleNamespace
+
+    from akv.integrations.vllm.identity import Identity
+    from akv.integrations.vllm.scheduler import SchedulerHalf
+
+    ident = Identity(parse_options({}), "vllm-p", 5700, 1, 128, "block", producer=True, consumer=True)
+    half = SchedulerHalf(ident, [0, 0], [False, True])  # attention, then a Mamba2 group
+    tokens = list(range(300))
+    params: dict[str, Any] = {"do_remote_decode": True}
+    req = SimpleNamespace(
+        request_id="p", prompt_token_ids=tokens, _all_token_ids=list(tokens), num_prompt_tokens=300,
+        max_tokens=16, kv_transfer_params=params,
+    )
+    half.on_new_request(req)
+    half.on_new_request(req)  # once only
+    assert req.num_prompt_tokens == 299 and len(req.prompt_token_ids) == 299 and req.max_tokens == 1
+    # vLLM's 'align' mode keeps a state per block position, nulling the old ones; 'none' one slot
+    assert half._exposable(([1, 2, 3], [0, 8, 9]), 299) == ((1, 2, 3), (9,))
+    assert half._exposable(([1, 2, 3], [7]), 299) == ((1, 2, 3), (7,))
+
+    def block(i: int, hashed: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(block_id=i, block_hash=b"h" if hashed else None, is_null=i == 0)
+
+    def decode(n: int, prompt: int, blocks: list[list[SimpleNamespace]], computed: int = 0) -> Any:
+        remote = RemoteKV("10.0.0.1:5700", "req", ((1, 2, 3), (9,)), 7, n, 128, 60.0)
+        r = SimpleNamespace(request_id="r", prompt_token_ids=[1] * prompt, kv_transfer_params=remote.to_params("p", 1))
+        count, _ = half.get_num_new_matched_tokens(r, computed)
+        if count:
+            half.update_state_after_alloc(r, SimpleNamespace(blocks=blocks), count)
+        return count, half.build_meta(SimpleNamespace(num_scheduled_tokens={})).pull.get("r")
+
+    count, job = decode(299, 300, [[block(4), block(5), block(6)], [block(11)]])
+    assert count == 299 and job.local_block_ids == ((4, 5, 6), (11,))
+    # a local prefix hit of one block: attention pulls the rest, the state slot is pulled whole
+    count, job = decode(299, 300, [[block(4, True), block(5), block(6)], [block(0), block(12), block(13)]], 128)
+    assert count == 171 and job.local_block_ids == ((5, 6), (13,))
+    assert decode(300, 300, []) == (0, None)  # prefill's state already holds the last token
+
+
+def test_state_tensors_akv_cannot_read_in_place_are_refused() -> None:
+    """A state view that is not int8 pages, pages closer than their bytes, or pages spaced past
+    the allocation (blocks outside layers) are ConfigErrors naming the group."""
+    spec = mamba_spec("mamba2")
+    _, pieces = state_pieces(spec, 1, True)
+    group = LayerGroup("g1", "mamba2", ("model.layers.0.mixer",), 0, 0, pieces=pieces)
+    c = spec.page_size_bytes
+    raw = torch.zeros(NB * 2 * c, dtype=torch.int8)
+    for bad, match in (
+        (torch.zeros(NB, 1, 1, c // 4), "int8"),
+        (raw.as_strided((NB, 1, 1, c), (c // 2, c, c, 1)), "apart"),
+        (torch.zeros((NB - 1) * 4 * c + c, dtype=torch.int8).as_strided((NB, 1, 1, c), (4 * c, c, c, 1)),
+         "past the KV allocation"),
+    ):
+        with pytest.raises(akv.ConfigError, match=match):
+            describe({"model.layers.0.mixer": bad}, [group], content="block")

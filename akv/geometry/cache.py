@@ -106,6 +106,10 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
             describing an engine's own tensors (``"comp,block,token,unit,elem"``; see
             [`parse_axes`][akv.geometry.axes.parse_axes]).
         joint_kv: per-layer layouts: all components in one region per layer.
+        slot_stride: state groups whose components all name one tensor, per-layer layout:
+            elements from one slot to the next in each layer's region (0: the components
+            packed back to back). An engine's own padding (vLLM pads a state page to its
+            attention page); like ``layout``, each engine's own.
     """
 
     name: str
@@ -118,6 +122,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "bfloat16"
     layout: str = "HND"
     joint_kv: bool = False
+    slot_stride: int = 0
 
     @property
     def tokens(self) -> bool:
@@ -160,11 +165,21 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
         if self.tokens:
             if any(c.tensor for c in self.components):
                 raise ConfigError(f"{where}: 'tensor' is only for state groups")
+            if self.slot_stride:
+                raise ConfigError(f"{where}: slot_stride is for state groups")
         else:
             if self.block_size != 1:
                 raise ConfigError(f"{where}: state groups hold one slot per block id: set block_size=1")
             if self.joint_kv:
                 raise ConfigError(f"{where}: joint_kv is for attention groups")
+            if self.slot_stride < 0:
+                raise ConfigError(f"{where}: slot_stride must be >= 0, got {self.slot_stride}")
+            if self.slot_stride and (
+                len({c.tensor or c.name for c in self.components}) != 1 or self.layout not in ("HND", "NHD")
+            ):
+                raise ConfigError(
+                    f"{where}: slot_stride needs every component in one tensor and a per-layer layout (HND)"
+                )
         if "," in self.layout:
             try:
                 axes = parse_axes(self.layout, tokens=self.tokens)

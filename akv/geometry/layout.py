@@ -24,9 +24,10 @@ Layouts of token groups (``lu`` local units, ``bs`` tokens per block, ``e`` unit
 
 MLA groups (one replicated unit) keep the per-layer shape ``(blocks, bs, e)``. State groups
 hold per layer one region ``(slots, n)`` per tensor (components naming one tensor are
-concatenated); with ``cross-layer`` one region ``(slots, L, n)``; with ``head-major`` one
-region ``(slots, n)`` holding, component after component, each unit's every layer together
-(a unit range of a component is one run).
+concatenated; ``slot_stride`` widens a one-tensor group's ``n`` to an engine's padded slot);
+with ``cross-layer`` one region ``(slots, L, n)``; with ``head-major`` one region
+``(slots, n)`` holding, component after component, each unit's every layer together (a unit
+range of a component is one run).
 """
 
 from __future__ import annotations
@@ -164,6 +165,13 @@ def group_layout(group: Group, rank: int, tp_size: int, first_region: int = 0) -
                 add([0] * L, off * E, L * per_layer * E, per_layer * E, es[ci] * E, 0, ci)
                 off += lus[ci] * es[ci]
         else:
+            if g.slot_stride:  # validated: one tensor; the engine pads each slot
+                if g.slot_stride < widths[tensors[0]]:
+                    raise ConfigError(
+                        f"group {g.name!r}: slot_stride {g.slot_stride} is below the "
+                        f"{widths[tensors[0]]} elements of a slot on rank {rank} of {tp_size}"
+                    )
+                widths[tensors[0]] = g.slot_stride
             for _ in range(L):
                 for t in tensors:
                     shapes.append((nb, widths[t]))

@@ -5,6 +5,7 @@
 #
 #   bash examples/vllm/run.sh            # start everything, send a few requests, stop
 #   KEEP=1 bash examples/vllm/run.sh     # ... and keep serving on http://127.0.0.1:8000 until Ctrl-C
+#   ARCH=nemotron_h bash examples/vllm/run.sh   # a state-space hybrid (also qwen3_next; docs/vllm.md)
 #
 # Set-up first: bash scripts/setup.sh (installs vLLM's CPU build, or its CUDA build on a GPU machine).
 set -euo pipefail
@@ -20,17 +21,21 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-[ -d "$MODEL" ] || "$PY" examples/vllm/tiny_model.py "$MODEL" >/dev/null
+ARCH=${ARCH:-llama}
+EXTRA=()  # vLLM's CPU Mamba2 kernel needs prefix caching off on long prompts (docs/vllm.md)
+[ "$ARCH" = nemotron_h ] && EXTRA=(-- --no-enable-prefix-caching)
+[ -d "$MODEL" ] || "$PY" examples/vllm/tiny_model.py "$MODEL" --arch "$ARCH" >/dev/null
 
 # The prefill instance (kv_producer, akv's bootstrap on port 5700) and the decode instance
-# (kv_consumer): the launcher prints nothing itself; it runs
+# (kv_consumer): the launcher prints nothing itself (it sets VLLM_SSM_CONV_STATE_LAYOUT=DS,
+# which akv needs on both instances of a Mamba / GDN hybrid); it runs
 #   python -m vllm.entrypoints.openai.api_server --model DIR --kv-transfer-config '{"kv_connector":
 #   "AkvConnector", "kv_connector_module_path": "akv.integrations.vllm", "kv_role": ..., ...}'
 setsid "$PY" -m akv.integrations.vllm.launch --model "$MODEL" --role prefill --http-port 8100 --akv-port 5700 --core 0 \
-    >"$WORK/prefill.log" 2>&1 &
+    "${EXTRA[@]}" >"$WORK/prefill.log" 2>&1 &
 pids+=($!)
 setsid "$PY" -m akv.integrations.vllm.launch --model "$MODEL" --role decode --http-port 8200 --core 1 \
-    --failure-policy recompute >"$WORK/decode.log" 2>&1 &
+    --failure-policy recompute "${EXTRA[@]}" >"$WORK/decode.log" 2>&1 &
 pids+=($!)
 setsid "$PY" examples/vllm/proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000 \
     >"$WORK/proxy.log" 2>&1 &

@@ -1,10 +1,16 @@
 """Build a tiny, randomly initialised model that vLLM can serve, with nothing downloaded.
 
-    python examples/vllm/tiny_model.py DIR [--arch llama|gemma3] [--layers 4] [--seed 0]
+    python examples/vllm/tiny_model.py DIR [--arch llama|gemma3|nemotron_h|qwen3_next] [--layers 4]
+        [--seed 0] [--dtype bfloat16|float32]
 
 ``llama``: 4 layers, hidden 256, 8 attention heads, 4 KV heads (head size 32), bf16.
 ``gemma3``: the same sizes with Gemma 3's interleaved sliding-window layers (window 64,
 every second layer full attention), so vLLM keeps two KV-cache groups.
+``nemotron_h``: Nemotron-H's hybrid of Mamba2 and attention, pattern ``M*M-`` (Mamba2,
+attention, Mamba2, MLP; 8 Mamba heads of 32, 1 group, state 16, conv kernel 4).
+``qwen3_next``: Qwen3-Next's hybrid of Gated DeltaNet and attention (3 ``linear_attention``
+layers then one ``full_attention``; GDN 1 key head and 2 value heads of 128, 4 experts top-2).
+vLLM's CPU GDN kernel runs bf16 only; the others also build as ``--dtype float32``.
 The tokenizer is byte-level (256 byte tokens plus ``<s>`` and ``</s>``), built with
 ``tokenizers``; prompts given as token ids bypass it anyway. The same seed gives the same
 weights, so two vLLM instances started from one directory compute the same tokens.
@@ -18,6 +24,7 @@ import sys
 from pathlib import Path
 
 VOCAB = 512  # 258 used by the tokenizer; the rest are valid ids for random prompts
+ARCHS = ("llama", "gemma3", "nemotron_h", "qwen3_next")
 
 
 def build_tokenizer(out: Path) -> None:
@@ -40,8 +47,8 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build_model(out: Path, arch: str, layers: int, seed: int) -> None:
-    """Write the config and random bf16 weights of a tiny ``arch`` model to ``out``."""
+def build_model(out: Path, arch: str, layers: int, seed: int, dtype: str = "bfloat16") -> None:
+    """Write the config and random weights (``dtype``) of a tiny ``arch`` model to ``out``."""
     import torch
 
     torch.manual_seed(seed)
@@ -59,18 +66,47 @@ def build_model(out: Path, arch: str, layers: int, seed: int) -> None:
 
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=64, layer_types=types))
+    elif arch == "nemotron_h":
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        pattern = ("M*M-" * layers)[: max(layers, 2)]  # Mamba2, attention, Mamba2, MLP, ...
+        model = NemotronHForCausalLM(
+            NemotronHConfig(
+                vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=len(pattern),
+                hybrid_override_pattern=pattern, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                mlp_hidden_act="relu2", mamba_num_heads=8, mamba_head_dim=32, n_groups=1, ssm_state_size=16,
+                conv_kernel=4, chunk_size=64, max_position_embeddings=4096, bos_token_id=256, eos_token_id=257,
+                pad_token_id=0, tie_word_embeddings=False,
+            )
+        )
+    elif arch == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+        model = Qwen3NextForCausalLM(
+            Qwen3NextConfig(
+                vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                layer_types=types, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+                max_position_embeddings=4096, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False,
+            )
+        )
     else:
-        raise SystemExit(f"--arch {arch!r}: use llama or gemma3")
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+        raise SystemExit(f"--arch {arch!r}: use one of {', '.join(ARCHS)}")
+    torch_dtype = getattr(torch, dtype)
+    model.to(torch_dtype).save_pretrained(out, safe_serialization=True)
     cfg = json.loads((out / "config.json").read_text())
-    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    cfg["torch_dtype"] = cfg["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="directory to write (created)")
-    ap.add_argument("--arch", default="llama", choices=("llama", "gemma3"))
+    ap.add_argument("--arch", default="llama", choices=ARCHS)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -79,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 64
     args.out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(args.out)
-    build_model(args.out, args.arch, args.layers, args.seed)
+    build_model(args.out, args.arch, args.layers, args.seed, args.dtype)
     print(args.out)
     return 0
 

@@ -23,7 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from akv.errors import ConfigError
 from akv.integrations.vllm.identity import Identity
-from akv.integrations.vllm.layout import LayerGroup
+from akv.integrations.vllm.layout import LayerGroup, state_pieces
 from akv.integrations.vllm.params import ConnectorMeta
 from akv.integrations.vllm.scheduler import SchedulerHalf
 from akv.integrations.vllm.worker import WorkerHalf
@@ -39,12 +39,20 @@ class AkvConnectorMetadata(ConnectorMeta, KVConnectorMetadata):
 
 
 def layer_groups(vllm_config: Any, kv_cache_config: Any) -> list[LayerGroup]:
-    """vLLM's KV-cache groups as akv groups (full, sliding window or MLA attention)."""
+    """vLLM's KV-cache groups as akv groups (full, sliding window or MLA attention; Mamba2
+    and Gated DeltaNet state)."""
     mc = vllm_config.model_config
     out = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
         kind = type(spec).__name__
+        if kind == "MambaSpec":
+            from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+            tp = int(vllm_config.parallel_config.tensor_parallel_size)
+            skind, pieces = state_pieces(spec, tp, is_conv_state_dim_first())
+            out.append(LayerGroup(f"g{i}", skind, tuple(g.layer_names), 0, 0, pieces=pieces))
+            continue
         # A FullAttentionSpec may carry a sliding_window (vLLM without its hybrid allocator keeps
         # every block of such layers): only a SlidingWindowSpec group holds just its window.
         window = int(getattr(spec, "sliding_window", 0) or 0) if kind == "SlidingWindowSpec" else 0
@@ -63,7 +71,8 @@ def layer_groups(vllm_config: Any, kv_cache_config: Any) -> list[LayerGroup]:
             )
         else:
             raise ConfigError(
-                f"AkvConnector: KV-cache group {i} is {kind}: akv moves attention groups (full, sliding, MLA)"
+                f"AkvConnector: KV-cache group {i} is {kind}: akv moves attention groups (full, sliding, MLA) "
+                "and Mamba2 / Gated DeltaNet state groups"
             )
     return out
 
@@ -165,7 +174,7 @@ class AkvConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             groups = layer_groups(vllm_config, kv_cache_config) if kv_cache_config is not None else []
-            self._scheduler = SchedulerHalf(self.ident, [g.window for g in groups])
+            self._scheduler = SchedulerHalf(self.ident, [g.window for g in groups], [g.state for g in groups])
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

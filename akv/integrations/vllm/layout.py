@@ -25,6 +25,13 @@ block id belongs to one group at a time and the layers never use the same block 
 Each such layer still gets a region of its own (several regions then alias one tensor), and
 akv reads each group's blocks through its own layers' regions. Two layers of one group
 sharing a tensor would write the same blocks, and are refused.
+
+State groups (vLLM's ``MambaSpec``: Mamba2, Gated DeltaNet) hold one slot per block id. vLLM
+hands each such layer an int8 ``[slots, 1, 1, page bytes]`` view whose slots sit a padded page
+apart (the page of the attention layers sharing the tensor); each page holds the layer's conv
+state, then its temporal state. akv describes the layer as one int8 region of whole pages
+(``slot_stride``) whose components are the [`StatePiece`][akv.integrations.vllm.layout.StatePiece]s
+in page order, so a slot moves in place, padding left out.
 """
 
 from __future__ import annotations
@@ -32,19 +39,43 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from akv.errors import ConfigError
 from akv.geometry.cache import DTYPE_SIZES, CacheSpec, Component, Group
 
-__all__ = ["Content", "LayerGroup", "content_for_device", "describe", "layer_index"]
+__all__ = [
+    "Content",
+    "LayerGroup",
+    "StatePiece",
+    "content_for_device",
+    "describe",
+    "layer_index",
+    "state_pieces",
+]
 
 Content = Literal["token", "block"]
 
 _DTYPES = {getattr(torch, name): name for name in DTYPE_SIZES if hasattr(torch, name)}
 _LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True, slots=True)
+class StatePiece:
+    """One piece of a vLLM state page (Mamba2 ``x`` / ``B`` / ``C`` conv channels, its SSM
+    state; GDN ``q`` / ``k`` / ``v`` conv channels, its recurrent state), in page order.
+
+    Attributes:
+        name: the akv component name.
+        units: global units (heads or groups) over all TP ranks.
+        unit_bytes: bytes of one unit in one state slot.
+    """
+
+    name: str
+    units: int
+    unit_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +89,86 @@ class LayerGroup:
         total_kv_heads: the model's KV heads (1 for MLA).
         head_size: elements per head (the latent size for MLA).
         window: sliding groups: the window in tokens.
+        pieces: state groups (``"mamba2"``, ``"gdn"``): the pieces of each slot, in order.
     """
 
     name: str
-    kind: Literal["full", "sliding", "mla"]
+    kind: Literal["full", "sliding", "mla", "mamba2", "gdn"]
     layer_names: tuple[str, ...]
     total_kv_heads: int
     head_size: int
     window: int = 0
+    pieces: tuple[StatePiece, ...] = ()
+
+    @property
+    def state(self) -> bool:
+        """True for a state group (one slot per request, never trimmed)."""
+        return self.kind in ("mamba2", "gdn")
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return int(torch.empty((), dtype=dtype).element_size())
+
+
+def state_pieces(
+    spec: Any, tp_size: int, conv_dim_first: bool
+) -> tuple[Literal["mamba2", "gdn"], tuple[StatePiece, ...]]:
+    """A ``MambaSpec``'s akv kind and the pieces of its page, derived from vLLM's own state
+    shapes and dtypes on one of ``tp_size`` ranks (conv state ``(dim, taps)``, as vLLM stores
+    it with ``VLLM_SSM_CONV_STATE_LAYOUT=DS``; then the temporal state).
+
+    - Mamba2: conv channels ``x`` (heads x head_dim) | ``B`` | ``C`` (groups x state);
+      SSM state ``(heads, head_dim, state)``.
+    - Gated DeltaNet: conv channels ``q`` | ``k`` (key heads x key dim) | ``v`` (value heads x
+      value dim); recurrent state ``(value heads, value dim, key dim)``.
+    """
+    mtype = getattr(getattr(spec, "mamba_type", None), "name", str(getattr(spec, "mamba_type", "")))
+    if mtype not in ("MAMBA2", "GDN_ATTN"):
+        raise ConfigError(
+            f"AkvConnector: a {mtype} state group: akv moves Mamba2 and Gated DeltaNet state groups"
+        )
+    if not conv_dim_first:
+        raise ConfigError(
+            "AkvConnector: vLLM keeps the Mamba conv state as (taps, dim): start every instance with "
+            "VLLM_SSM_CONV_STATE_LAYOUT=DS (akv reads each head's conv channels as one run)"
+        )
+    shapes, dtypes = tuple(tuple(int(x) for x in s) for s in spec.shapes), tuple(spec.dtypes)
+    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3 or int(spec.num_speculative_blocks):
+        raise ConfigError(
+            f"AkvConnector: a {mtype} state of shapes {shapes} (speculative slots "
+            f"{spec.num_speculative_blocks}): akv moves one conv and one temporal state per layer"
+        )
+    (dim, taps), (heads, d1, d2) = shapes
+    cb, sb = _dtype_bytes(dtypes[0]), _dtype_bytes(dtypes[1])
+    if mtype == "MAMBA2":  # ssm (heads, head_dim, state)
+        head_dim, state = d1, d2
+        rest = dim - heads * head_dim
+        groups = rest // (2 * state)
+        if groups < 1 or rest != 2 * groups * state:
+            raise ConfigError(
+                f"AkvConnector: Mamba2 conv dim {dim} is not heads x head_dim + 2 x groups x state"
+            )
+        pieces = (
+            StatePiece("x", heads * tp_size, head_dim * taps * cb),
+            StatePiece("B", groups * tp_size, state * taps * cb),
+            StatePiece("C", groups * tp_size, state * taps * cb),
+            StatePiece("ssm", heads * tp_size, head_dim * state * sb),
+        )
+        return "mamba2", pieces
+    v_dim, k_dim = d1, d2  # GDN recurrent state (value heads, value dim, key dim)
+    rest = dim - heads * v_dim
+    k_heads = rest // (2 * k_dim)
+    if k_heads < 1 or rest != 2 * k_heads * k_dim:
+        raise ConfigError(
+            f"AkvConnector: GDN conv dim {dim} is not 2 x key heads x key dim + value heads x value dim"
+        )
+    pieces = (
+        StatePiece("q", k_heads * tp_size, k_dim * taps * cb),
+        StatePiece("k", k_heads * tp_size, k_dim * taps * cb),
+        StatePiece("v", heads * tp_size, v_dim * taps * cb),
+        StatePiece("state", heads * tp_size, v_dim * k_dim * sb),
+    )
+    return "gdn", pieces
 
 
 def layer_index(name: str) -> int:
@@ -91,6 +194,28 @@ def _physical_order(t: torch.Tensor) -> list[int]:
             "dense array: akv reads each layer's tensor in place (use a layer-major KV-cache layout)"
         )
     return order
+
+
+def _state_region(t: torch.Tensor, group: LayerGroup) -> torch.Tensor:
+    """One state layer's ``[slots, 1, 1, page bytes]`` int8 view as its whole padded pages
+    ``[slots, slot stride]`` (the same memory; the pieces fill each page's start)."""
+    if t.dim() != 4 or t.shape[1] != 1 or t.shape[2] != 1 or t.dtype != torch.int8:
+        raise ConfigError(
+            f"group {group.name!r}: a state tensor is int8 [slots, 1, 1, page bytes], "
+            f"got {t.dtype} {tuple(t.shape)}"
+        )
+    stride = t.stride(0)
+    if t.stride(3) != 1 or stride < t.shape[3]:
+        raise ConfigError(
+            f"group {group.name!r}: state pages of {t.shape[3]} bytes {stride} bytes apart "
+            f"(strides {t.stride()}): akv reads each layer's slots in place (use a layer-major layout)"
+        )
+    if t.storage_offset() + t.shape[0] * stride > t.untyped_storage().nbytes():
+        raise ConfigError(
+            f"group {group.name!r}: state pages {stride} bytes apart run past the KV allocation: "
+            "akv reads each layer's slots in place (use a layer-major layout)"
+        )
+    return t.as_strided((t.shape[0], stride), (stride, 1))
 
 
 def _region(t: torch.Tensor, group: LayerGroup, content: Content) -> tuple[torch.Tensor, str]:
@@ -177,20 +302,31 @@ def describe(
                 raise ConfigError(
                     f"layer {name!r}: KV dtype {t.dtype} is not one akv moves ({sorted(DTYPE_SIZES)})"
                 )
-            view, these = _region(t, g, content)
+            if g.state:
+                view = _state_region(t, g)
+                these = f"state:{view.shape[1]}"
+            else:
+                view, these = _region(t, g, content)
             if axes is None:
                 axes, dtype = these, _DTYPES[t.dtype]
                 num_blocks = t.shape[0]
-                block_size = t.shape[1] if g.kind == "mla" else t.shape[2]
+                block_size = 1 if g.state else t.shape[1] if g.kind == "mla" else t.shape[2]
             elif these != axes or t.shape[0] != num_blocks:
                 raise ConfigError(
                     f"group {g.name!r}: layer {name!r} is laid out unlike the group's first layer"
                 )
             regions.append(view)
-        if g.kind == "mla":
-            comps: tuple[Component, ...] = (
-                Component(name="latent", units=1, unit_elems=g.head_size, shard="replicate"),
+        slot_stride = 0
+        if g.state:
+            # one int8 page per slot and layer: conv channels (DS: each channel's taps
+            # together), then the temporal state; every piece split on its own heads / groups
+            comps: tuple[Component, ...] = tuple(
+                Component(name=p.name, units=p.units, unit_elems=p.unit_bytes, shard="split", tensor="page")
+                for p in g.pieces
             )
+            slot_stride = int((axes or "state:0").split(":")[1])
+        elif g.kind == "mla":
+            comps = (Component(name="latent", units=1, unit_elems=g.head_size, shard="replicate"),)
         else:
             comps = tuple(
                 Component(name=c, units=g.total_kv_heads, unit_elems=g.head_size, shard="heads")
@@ -206,7 +342,8 @@ def describe(
                 block_size=block_size,
                 window=g.window,
                 dtype=dtype,
-                layout=axes or "block,unit,comp,token,elem",
+                layout="HND" if g.state else axes or "block,unit,comp,token,elem",
+                slot_stride=slot_stride,
             )
         )
     return CacheSpec.create(out_groups), regions

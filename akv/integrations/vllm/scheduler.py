@@ -21,6 +21,14 @@ exposes only the blocks from that one on (also when it exposes before vLLM freed
 decode fills the blocks of tokens ``n - W`` to ``n`` (vLLM recomputes token ``n - 1``, whose
 window starts at ``n - W``). When ``n - W + 1`` starts a block, the block of token ``n - W``
 is freed on prefill: decode then computes the request itself (logged).
+
+A state group (Mamba2, Gated DeltaNet) holds one running state slot per request, the state
+after every token computed so far: prefill exposes that one slot, whole, and decode fills the
+slot vLLM allocated for the request (a local prefix hit shortens the attention blocks pulled,
+never the state). vLLM always computes a prompt's last token on decode, and a state cannot be
+rolled back one token, so on a hybrid model prefill drops the prompt's last token (as vLLM's
+NixlConnector does): it computes and exposes tokens ``0 .. n - 2``, decode pulls them and
+computes token ``n - 1`` itself.
 """
 
 from __future__ import annotations
@@ -46,9 +54,11 @@ _FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 class SchedulerHalf:
     """Scheduler-side state of one vLLM instance (see the module text)."""
 
-    def __init__(self, ident: Identity, windows: Sequence[int] = ()) -> None:
+    def __init__(self, ident: Identity, windows: Sequence[int] = (), states: Sequence[bool] = ()) -> None:
         self.ident = ident
         self.windows = tuple(windows)  # per KV-cache group: its sliding window in tokens, 0 for none
+        self.states = tuple(states)  # per KV-cache group: a state group (Mamba2, GDN)
+        self.hybrid = any(self.states)
         self._generation = secrets.randbelow(1 << 30) + 1  # distinct across restarts of this instance
         self._meta = ConnectorMeta()
         self._candidates: dict[str, Any] = {}  # do_remote_decode requests not yet computed
@@ -86,6 +96,9 @@ class SchedulerHalf:
     def _window(self, group: int) -> int:
         return self.windows[group] if group < len(self.windows) else 0
 
+    def _state(self, group: int) -> bool:
+        return self.states[group] if group < len(self.states) else False
+
     def _covers_windows(self, request: Any, remote: RemoteKV) -> bool:
         """Whether prefill exposed the blocks of every sliding group's window (see the module text)."""
         n = min(remote.num_tokens, len(request.prompt_token_ids or ()))
@@ -109,7 +122,17 @@ class SchedulerHalf:
         remote = self._remote(request)
         if remote is None or not self._covers_windows(request, remote):
             return 0, False
-        count = min(remote.num_tokens, len(request.prompt_token_ids or ())) - num_computed_tokens
+        prompt = len(request.prompt_token_ids or ())
+        if self.hybrid and remote.num_tokens >= prompt:
+            # the state holds every prompt token, but vLLM computes the last one here again
+            log.warning(
+                "request %s: prefill's state covers all %d prompt tokens (its instance runs no akv "
+                "hybrid truncation): computed locally",
+                request.request_id,
+                prompt,
+            )
+            return 0, False
+        count = min(remote.num_tokens, prompt) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -126,6 +149,10 @@ class SchedulerHalf:
         bs = self.ident.block_size
         local = []
         for i, group in enumerate(blocks.blocks[: len(remote.block_ids)]):
+            if self._state(i):  # the request's running state slot, whole (never trimmed)
+                live = [b for b in group[: -(-n // bs)] if not b.is_null][-1:]
+                local.append(tuple(b.block_id for b in live if b.block_hash is None))
+                continue
             first = max(0, n - w) // bs if (w := self._window(i)) else 0
             local.append(
                 tuple(
@@ -139,7 +166,23 @@ class SchedulerHalf:
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode"):
+            if self.hybrid:
+                self._truncate(request, params)
             self._candidates[request.request_id] = request
+
+    @staticmethod
+    def _truncate(request: Any, params: dict[str, Any]) -> None:
+        """Hybrid models: prefill stops one token short of the prompt, so the exposed state is
+        that of tokens ``0 .. n - 2``; decode computes token ``n - 1`` from it (vLLM always
+        computes a prompt's last token itself, and a state cannot be rolled back). The request
+        then ends after one output token, as a router's prefill request does."""
+        if params.get("_akv_truncated") or request.num_prompt_tokens < 2 or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_akv_truncated"] = True
 
     def _next_generation(self) -> int:
         self._generation = self._generation % ((1 << 31) - 1) + 1
@@ -151,6 +194,9 @@ class SchedulerHalf:
         bs = self.ident.block_size
         out = []
         for i, g in enumerate(groups_of(block_ids)):
+            if self._state(i):  # the running state slot
+                out.append(tuple(strip_null(g[: -(-num_tokens // bs)]))[-1:])
+                continue
             first = max(0, num_tokens - w + 1) // bs if (w := self._window(i)) else 0
             out.append(tuple(strip_null(g[first : -(-num_tokens // bs)])))
         return tuple(out)
