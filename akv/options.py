@@ -56,7 +56,7 @@ def add_mode_flags(
         else "pull: decode READs; push: prefill WRITEs into blocks decode grants, layer by layer "
         + (
             "(default: per engine, push where UCX would serve reads over TCP: another host without "
-            "RDMA, or UCX_TLS=tcp; else pull)"
+            "RDMA, or UCX_TLS=tcp; else pull; pull is refused where reads would go over TCP)"
             if auto
             else "(default: %(default)s)"
         ),
