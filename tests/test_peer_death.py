@@ -133,6 +133,17 @@ async def pull_exact(endpoint: str, s: akv.KVSpec, req: Any, mode: str | None) -
         assert verify_request(kv, s, 0, 1, local, req.seed)
 
 
+async def assert_released_once(proc: subprocess.Popen[str]) -> None:
+    """Stop the prefill (SIGTERM): it did not die of a signal, no request was released twice,
+    and every round's second pull (and the clean one) was released."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout is not None
+    out = await anyio.to_thread.run_sync(proc.stdout.read)
+    assert proc.wait(10) >= 0, f"the prefill died of signal {-proc.returncode}"
+    summary = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1]
+    assert summary["duplicate_releases"] == 0 and summary["released"] >= ROUNDS + 1, summary
+
+
 @pytest.mark.parametrize("transport_env,mode", [((t), m) for t, m in LINKS], indirect=["transport_env"])
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 async def test_decode_dying_mid_transfer_leaves_prefill_serving(
@@ -174,12 +185,7 @@ async def test_decode_dying_mid_transfer_leaves_prefill_serving(
             assert proc.poll() is None, f"round {k}: the prefill died ({proc.returncode})"
             await pull_exact(endpoint, s, reqs[2 * k + 1], mode)
             assert proc.poll() is None, f"round {k}: the prefill died ({proc.returncode})"
-        proc.send_signal(signal.SIGTERM)  # the summary: no request released twice
-        assert proc.stdout is not None
-        out = await anyio.to_thread.run_sync(proc.stdout.read)
-        assert proc.wait(10) >= 0, f"the prefill died of signal {-proc.returncode}"
-        summary = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1]
-        assert summary["duplicate_releases"] == 0 and summary["released"] >= ROUNDS + 1, summary
+        await assert_released_once(proc)
     finally:
         stop(proc)
 
@@ -228,12 +234,7 @@ async def test_decode_closing_its_session_mid_transfer_leaves_prefill_serving(
                 with anyio.fail_after(60):
                     await (await (await c.connect(endpoint)).pull(r.request_id, local, r.block_ids))
                 assert verify_request(kv, s, 0, 1, local, r.seed)
-        proc.send_signal(signal.SIGTERM)  # the summary: no request released twice
-        assert proc.stdout is not None
-        out = await anyio.to_thread.run_sync(proc.stdout.read)
-        assert proc.wait(10) >= 0, f"the prefill died of signal {-proc.returncode}"
-        summary = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1]
-        assert summary["duplicate_releases"] == 0 and summary["released"] >= ROUNDS + 1, summary
+        await assert_released_once(proc)
     finally:
         stop(proc)
 
