@@ -42,9 +42,10 @@ CHUNK = 1 << 14
 #: The profiler range around a launch (what Triton's interpreter runs inside it emulates the
 #: device: one launch on a GPU).
 KERNEL_RANGE = "akv::copy_runs"
-#: Rows of the table one kernel program copies, and elements per row per step.
-_ROWS = 8
-_BLOCK = 512
+#: Elements one kernel program moves per step: ``rows x block``, ``block`` the power of two
+#: covering the longest row (at most `_BLOCK`), ``rows`` the rest.
+_TILE = 4096
+_BLOCK = 1024
 
 Mode = Literal["kernel", "torch", "host"]
 
@@ -187,9 +188,11 @@ class RunCopier:
         table[:, 0], table[:, 1], table[:, 2] = d, s, n
         runs = self._upload(table, torch)
         rows = len(n)
-        grid = (-(-rows // _ROWS),)
+        block = min(_BLOCK, 1 << max(int(n.max()) - 1, 0).bit_length())
+        per = _TILE // block
+        grid = (-(-rows // per),)
         with torch.profiler.record_function(KERNEL_RANGE):
-            _kernel(interpreting())[grid](anchor, anchor, runs, rows, ROWS=_ROWS, BLOCK=_BLOCK)
+            _kernel(interpreting())[grid](anchor, anchor, runs, rows, ROWS=per, BLOCK=block)
         return rows
 
     def _upload(self, table: npt.NDArray[np.int64], torch: Any) -> Any:

@@ -213,7 +213,9 @@ def _index(ids: npt.NDArray[Any], device: Any) -> Any:
 Runs = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
 
-def gather_runs(views: CacheViews, section: Section, block_ids: npt.NDArray[np.int32], slot_addr: int) -> Runs:
+def gather_runs(
+    views: CacheViews, section: Section, block_ids: npt.NDArray[np.int32], slot_addr: int
+) -> Runs:
     """`gather` as ``(destination, source, bytes)`` runs of raw addresses (for
     `akv.kernels.RunCopier`), ``slot_addr`` the slot's first byte."""
     addr, block, run = views.starts(section.group, section.component)

@@ -96,7 +96,9 @@ class StagingPool:
         #: scatters: one kernel launch per pull (CUDA, or CPU tensors under Triton's
         #: interpreter with ``copy_with="torch"``), else torch index copies per span
         #: (``copy_with="torch"`` or CUDA without Triton), else numpy (DRAM)
-        self.copier = RunCopier(like.device) if kernels.mode(like.device.type, copy_with) == "kernel" else None
+        self.copier = (
+            RunCopier(like.device) if kernels.mode(like.device.type, copy_with) == "kernel" else None
+        )
         self.torch_ops = True if copy_with == "torch" else None
 
     @property
