@@ -27,13 +27,10 @@ Which way a request's bytes move (`mode`):
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["CHUNK", "KERNEL_RANGE", "RunCopier", "interpreting", "merge_runs", "mode", "triton_available"]
 
@@ -58,7 +55,7 @@ def triton_available() -> bool:
     global _available
     if _available is None:
         try:
-            import triton  # noqa: F401
+            import triton
             import triton.language  # noqa: F401
         except Exception:
             _available = False
@@ -94,7 +91,7 @@ def _kernel(interpret: bool) -> Any:
     import triton
     import triton.language as tl
 
-    def copy_runs(dst: Any, src: Any, runs: Any, n: Any, ROWS: tl.constexpr, BLOCK: tl.constexpr) -> None:  # noqa: N803
+    def copy_runs(dst: Any, src: Any, runs: Any, n: Any, ROWS: tl.constexpr, BLOCK: tl.constexpr) -> None:
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = rows < n
         d = tl.load(runs + rows * 3, mask=live, other=0)

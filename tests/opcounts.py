@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import anyio
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import akv

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from akv import kernels
 from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import rank_layout
-from akv import kernels
 from akv.kernels import RunCopier
 from akv.packing import Arena, CacheViews, PackDirectory, gather, gather_runs, sections
 from akv.protocol.messages import PackInfo
@@ -153,9 +153,7 @@ class Packer:
         if event is not None:
             self.pending[request_id] = (event, offset, size, generation)
             return True
-        if not self._publish(request_id, generation, offset, size):
-            return False
-        return True
+        return self._publish(request_id, generation, offset, size)
 
     def _publish(self, request_id: str, generation: int, offset: int, size: int) -> bool:
         """Publish a packed copy; False (slot freed) if its directory bucket is full."""
