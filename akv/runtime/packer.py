@@ -117,7 +117,9 @@ class Packer:
 
         On CUDA the gather is queued (on a side stream ordered after the work queued on the
         current one) and the request is in `pending` until `settle` sees its event fired and
-        publishes it: no reader can find a half-packed copy, and the host never waits."""
+        publishes it: no reader can find a half-packed copy, and the host never waits (with
+        ``early``, release_after_pack, it waits for the gather: readers then have no direct
+        read to fall back on while it runs)."""
         import torch
 
         secs, size = sections(self.cache, self.rank, self.tp_size, [len(ids) for ids in per_group])
@@ -150,9 +152,11 @@ class Packer:
             self.arena.free(offset)
             raise
         self.slots[request_id] = offset
-        if event is not None:
+        if event is not None and not self.early:
             self.pending[request_id] = (event, offset, size, generation)
             return True
+        if event is not None:  # release_after_pack: the packed copy is the only one readers get
+            event.synchronize()
         return self._publish(request_id, generation, offset, size)
 
     def _publish(self, request_id: str, generation: int, offset: int, size: int) -> bool:

@@ -121,7 +121,9 @@ class Producer(RankBase):
             (on CUDA: queued on the current stream); on CUDA it runs on a side stream ordered
             after the current stream's work and ``expose()`` returns without waiting: the copy
             becomes readable (its directory entry published) once the gather's event fired,
-            and until then decode ranks read the request directly.
+            and until then decode ranks read the request directly (with
+            ``release_after_pack``, which leaves them nothing to read directly, ``expose()``
+            waits for the gather).
         pack_pool_bytes: the staging pool's size, allocated on the caches' device.
         release_after_pack: hand a packed request's blocks back at once (a
             [`Release`][akv.Release] with reason ``"packed"``); its packed copy then carries
