@@ -219,6 +219,8 @@ def gather_runs(
     """`gather` as ``(destination, source, bytes)`` runs of raw addresses (for
     `akv.kernels.RunCopier`), ``slot_addr`` the slot's first byte."""
     addr, block, run = views.starts(section.group, section.component)
+    if addr.shape[2] > 1 and int(addr[0, 0, 1] - addr[0, 0, 0]) == run:  # a block's tokens: one run
+        addr, run = addr[:, :, :1], run * addr.shape[2]
     src = addr[:, :, None, :] + (np.asarray(block_ids, dtype=np.int64) * block)[None, None, :, None]
     src = src.reshape(-1)
     dst = slot_addr + section.offset + np.arange(len(src), dtype=np.int64) * run
