@@ -48,7 +48,9 @@ __all__ = [
     "Section",
     "find",
     "gather",
+    "gather_runs",
     "scatter",
+    "scatter_runs",
     "sections",
 ]
 
@@ -126,6 +128,7 @@ class CacheViews:
         self.layout = layout
         self._views: dict[tuple[int, int], tuple[int, list[tuple[int, int, Any]]]] = {}
         self._host: dict[tuple[int, int], list[tuple[int, int, Any]]] = {}
+        self._starts: dict[tuple[int, int], tuple[npt.NDArray[np.int64], int, int]] = {}
 
     def get(self, gi: int, ci: int) -> tuple[int, list[tuple[int, int, Any]]]:
         """``(width, views)`` of component ``ci`` of group ``gi``."""
@@ -139,6 +142,25 @@ class CacheViews:
         hit = self._host.get((gi, ci))
         if hit is None:
             hit = self._host[(gi, ci)] = [(l0, lk, v.numpy()) for l0, lk, v in self.get(gi, ci)[1]]
+        return hit
+
+    def starts(self, gi: int, ci: int) -> tuple[npt.NDArray[np.int64], int, int]:
+        """``(addr, block, run)`` of component ``ci`` of group ``gi``: ``addr[u, l, t]`` the
+        address of held unit ``u``'s run of layer ``l`` and token ``t`` in block 0, ``block``
+        the block stride, ``run`` the bytes of one run (built once: the table a copy kernel's
+        runs are derived from)."""
+        hit = self._starts.get((gi, ci))
+        if hit is None:
+            gl = self.layout.groups[gi]
+            g, p = gl.group, gl.placements[ci]
+            nl = len(g.layers)
+            bs = g.block_size if g.tokens else 1
+            bases = np.array([int(self.tensors[p.regions[i]].data_ptr()) for i in range(nl)], dtype=np.int64)
+            layer = bases + p.offset + np.arange(nl, dtype=np.int64) * p.layer
+            unit = np.arange(len(p.units), dtype=np.int64) * p.unit
+            token = np.arange(bs, dtype=np.int64) * p.token
+            addr = unit[:, None, None] + layer[None, :, None] + token[None, None, :]
+            hit = self._starts[(gi, ci)] = (addr, p.block, p.run)
         return hit
 
     def _build(self, gi: int, ci: int) -> tuple[int, list[tuple[int, int, Any]]]:
@@ -186,6 +208,43 @@ def _index(ids: npt.NDArray[Any], device: Any) -> Any:
 
     host = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
     return host if device.type != "cuda" else host.to(device, non_blocking=False)
+
+
+Runs = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
+
+
+def gather_runs(
+    views: CacheViews, section: Section, block_ids: npt.NDArray[np.int32], slot_addr: int
+) -> Runs:
+    """`gather` as ``(destination, source, bytes)`` runs of raw addresses (for
+    `akv.kernels.RunCopier`), ``slot_addr`` the slot's first byte."""
+    addr, block, run = views.starts(section.group, section.component)
+    if addr.shape[2] > 1 and int(addr[0, 0, 1] - addr[0, 0, 0]) == run:  # a block's tokens: one run
+        addr, run = addr[:, :, :1], run * addr.shape[2]
+    src = addr[:, :, None, :] + (np.asarray(block_ids, dtype=np.int64) * block)[None, None, :, None]
+    src = src.reshape(-1)
+    dst = slot_addr + section.offset + np.arange(len(src), dtype=np.int64) * run
+    return dst, src, np.full(len(src), run, dtype=np.int64)
+
+
+def scatter_runs(
+    views: CacheViews,
+    gi: int,
+    ci: int,
+    local_units: range,
+    staged_addr: int,
+    blocks: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+) -> Runs:
+    """`scatter` as ``(destination, source, bytes)`` runs of raw addresses (for
+    `akv.kernels.RunCopier`), ``staged_addr`` the staged bytes' first byte."""
+    addr, block, run = views.starts(gi, ci)
+    u0 = local_units.start - views.layout.groups[gi].placements[ci].units.start
+    held = addr[u0 : u0 + len(local_units)]  # [units, layers, tokens of a block]
+    dst = held[:, :, positions] + (blocks * block)[None, None, :]
+    dst = dst.reshape(-1)
+    src = staged_addr + np.arange(len(dst), dtype=np.int64) * run
+    return dst, src, np.full(len(dst), run, dtype=np.int64)
 
 
 def gather(views: CacheViews, section: Section, block_ids: npt.NDArray[np.int32], slot: Any) -> None:

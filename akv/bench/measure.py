@@ -86,7 +86,8 @@ def _pack_mib(w: Workload, prefill: Any, remotes: list[Any]) -> int:
 
 
 def _pack_cost(w: Workload, prefill: Any, reqs: list[tuple[str, Any, Any]], device: str) -> float:
-    """Mean milliseconds prefill rank 0 spends packing one request (the gather at ``expose``)."""
+    """Mean milliseconds prefill rank 0 spends packing one request (the gather at ``expose``;
+    on CUDA until the gather is done on the device)."""
     import akv
     from akv.device import parse_device
     from akv.geometry.cache import as_cache
@@ -103,7 +104,12 @@ def _pack_cost(w: Workload, prefill: Any, reqs: list[tuple[str, Any, Any]], devi
         ids = cache.per_group(ids_json(remote), rid)
         started = time.perf_counter()
         packer.pack(rid, ids, i + 1)
+        if kv[0].is_cuda:  # the gather is queued: count until it is done on the device
+            import torch
+
+            torch.cuda.synchronize(kv[0].device)
         spent.append(time.perf_counter() - started)
+        packer.settle()  # publish it (on CUDA once its event fired), so that drop frees the slot now
         packer.drop(rid)
     return 1e3 * float(np.mean(spent[1:] if len(spent) > 1 else spent))
 

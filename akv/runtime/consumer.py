@@ -77,9 +77,12 @@ class Consumer(RankBase):
         copy_inline_bytes: DRAM pulls on the copy path up to this size are copied at launch,
             on the event loop's thread (fastest: no thread hand-off); larger ones in a worker
             thread, so the loop never stalls for long. CUDA copies are always asynchronous.
-        copy_with: how the copy path moves bytes: ``"auto"`` (memory moves in DRAM, torch
-            gathers and scatters on GPUs) or ``"torch"`` (torch everywhere: the GPU code path,
-            also on CPU tensors).
+        copy_with: how the copy path and the packed path's scatter move bytes: ``"auto"``
+            (memory moves in DRAM; on GPUs one Triton kernel launch per pull, or torch
+            gathers and scatters without Triton) or ``"torch"`` (the GPU code path, also on
+            CPU tensors: the kernel under Triton's interpreter when ``TRITON_INTERPRET=1`` is
+            set, else torch gathers and scatters; for tests and operation counts). See
+            docs/gpu.md#kernels.
         max_checks: exposure checks in flight at once.
         settle_timeout: seconds a failed, timed-out or closed pull waits for NIXL to report
             reads it started finished (UCX cannot cancel a read in flight) before this rank
@@ -261,7 +264,7 @@ class Consumer(RankBase):
         async with self._packing:
             if self.staging is not None or self.transfer == "direct":
                 return
-            staging = StagingPool(self.pack_staging_bytes, self.kv_caches[0])
+            staging = StagingPool(self.pack_staging_bytes, self.kv_caches[0], self.copy_with)
             staging.wake = from_threads(self._backoff.wake)
             directories = CheckPool(self._max_checks, DIR_WORDS)
             backend = self.backend

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from akv import kernels
 from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import rank_layout
-from akv.packing import Arena, CacheViews, PackDirectory, gather, sections
+from akv.kernels import RunCopier
+from akv.packing import Arena, CacheViews, PackDirectory, gather, gather_runs, sections
 from akv.protocol.messages import PackInfo
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ class Packer:
         pool_bytes: int,
         buckets: int,
         early: bool,
+        copy_with: str = "auto",
     ) -> None:
         import torch
 
@@ -89,6 +92,13 @@ class Packer:
         self._stream: Any = None  # the CUDA side stream of the gathers
         self.slots: dict[str, int] = {}  # request -> slot offset
         self.packed_bytes = 0
+        #: one kernel launch per request (CUDA, or CPU tensors under Triton's interpreter
+        #: with ``copy_with="torch"``); None: torch gathers per section and layer
+        self.copier = RunCopier(device) if kernels.mode(device.type, copy_with) == "kernel" else None
+        #: gathers queued on the device, not yet known done: request -> (event, offset, size,
+        #: generation); published by `settle` once their event fired
+        self.pending: dict[str, tuple[Any, int, int, int]] = {}
+        self.freeing: list[tuple[Any, int]] = []  # dropped while gathering: freed once done
 
     def info(self, mem_type: str, device_id: int) -> PackInfo:
         """What the handshake tells decode ranks."""
@@ -103,7 +113,13 @@ class Packer:
         )
 
     def pack(self, request_id: str, per_group: Sequence[npt.NDArray[np.int32]], generation: int) -> bool:
-        """Copy an exposed request into a slot and publish it; False if there was no room."""
+        """Copy an exposed request into a slot and publish it; False if there was no room.
+
+        On CUDA the gather is queued (on a side stream ordered after the work queued on the
+        current one) and the request is in `pending` until `settle` sees its event fired and
+        publishes it: no reader can find a half-packed copy, and the host never waits (with
+        ``early``, release_after_pack, it waits for the gather: readers then have no direct
+        read to fall back on while it runs)."""
         import torch
 
         secs, size = sections(self.cache, self.rank, self.tp_size, [len(ids) for ids in per_group])
@@ -117,21 +133,58 @@ class Packer:
                 self._stream = torch.cuda.Stream(slot.device)  # type: ignore[no-untyped-call]
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(slot.device))
+        event: Any = None
         try:
             with torch.cuda.stream(stream) if stream is not None else _null():
-                for s in secs:
-                    gather(self.views, s, per_group[s.group], slot)
-            if stream is not None:
-                stream.synchronize()
+                if self.copier is not None:
+                    base = int(self.pool.data_ptr()) + offset
+                    runs = [gather_runs(self.views, s, per_group[s.group], base) for s in secs]
+                    self.copier.copy(*(np.concatenate(parts) for parts in zip(*runs, strict=True)))
+                else:
+                    for s in secs:
+                        gather(self.views, s, per_group[s.group], slot)
+                if stream is not None:
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(stream)
         except Exception:
+            if stream is not None:  # what was queued may still write the slot
+                stream.synchronize()
             self.arena.free(offset)
             raise
+        self.slots[request_id] = offset
+        if event is not None and not self.early:
+            self.pending[request_id] = (event, offset, size, generation)
+            return True
+        if event is not None:  # release_after_pack: the packed copy is the only one readers get
+            event.synchronize()
+        return self._publish(request_id, generation, offset, size)
+
+    def _publish(self, request_id: str, generation: int, offset: int, size: int) -> bool:
+        """Publish a packed copy; False (slot freed) if its directory bucket is full."""
         if not self.directory.publish(request_id, generation, offset, size):
+            del self.slots[request_id]
             self.arena.free(offset)
             return False
-        self.slots[request_id] = offset
         self.packed_bytes += size
         return True
+
+    def settle(self) -> list[tuple[str, bool]]:
+        """Publish the pending copies whose gather is done; returns ``(request, published)``
+        for each (False: its directory bucket was full, the request is read directly)."""
+        if self.freeing:
+            still = []
+            for event, offset in self.freeing:
+                if event.query():
+                    self.arena.free(offset)
+                else:
+                    still.append((event, offset))
+            self.freeing = still
+        done = []
+        for request_id, (event, offset, size, generation) in list(self.pending.items()):
+            if event.query():
+                del self.pending[request_id]
+                done.append((request_id, self._publish(request_id, generation, offset, size)))
+        return done
 
     def drop(self, request_id: str) -> bool:
         """Retire a request's copy and free its slot (once: later calls do nothing); True if
@@ -139,6 +192,10 @@ class Packer:
         offset = self.slots.pop(request_id, None)
         if offset is None:
             return False
+        pending = self.pending.pop(request_id, None)
+        if pending is not None:  # never published; the gather may still write the slot
+            self.freeing.append((pending[0], offset))
+            return True
         self.directory.retire(request_id)
         self.arena.free(offset)
         return True

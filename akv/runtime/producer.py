@@ -117,12 +117,22 @@ class Producer(RankBase):
             (see docs/concepts.md#packed-transfers); ``"auto"``: pack only when one unit of
             one block is more than one contiguous run on this rank's layout. A request that
             finds the pool full is not packed: it is read directly (``pack_fallbacks``). The
-            gather runs inside ``expose()`` (on CUDA on a side stream, waited for), so call it
-            once the request's KV is complete.
+            gather starts inside ``expose()``, so call it once the request's KV is complete
+            (on CUDA: queued on the current stream); on CUDA it runs on a side stream ordered
+            after the current stream's work and ``expose()`` returns without waiting: the copy
+            becomes readable (its directory entry published) once the gather's event fired,
+            and until then decode ranks read the request directly (with
+            ``release_after_pack``, which leaves them nothing to read directly, ``expose()``
+            waits for the gather).
         pack_pool_bytes: the staging pool's size, allocated on the caches' device.
         release_after_pack: hand a packed request's blocks back at once (a
             [`Release`][akv.Release] with reason ``"packed"``); its packed copy then carries
             the lease, and only packed reads of it succeed.
+        copy_with: how packing moves bytes: ``"auto"`` (on CUDA one Triton kernel launch per
+            request when ``triton`` imports, else torch gathers; in DRAM torch gathers) or
+            ``"torch"`` (on CPU tensors too, the code path CUDA tensors take: the kernel under
+            Triton's interpreter when ``TRITON_INTERPRET=1`` is set, else torch gathers; for
+            tests and operation counts). See docs/gpu.md#kernels.
     """
 
     _role = "p"
@@ -157,6 +167,7 @@ class Producer(RankBase):
         transfer: str = "direct",
         pack_pool_bytes: int = 256 << 20,
         release_after_pack: bool = False,
+        copy_with: str = "auto",
     ) -> None:
         if etcd is not None and engine_id is None:
             raise ConfigError("registering in etcd needs an explicit engine_id, the same on every rank")
@@ -224,6 +235,9 @@ class Producer(RankBase):
         self._idle: anyio.Event | None = None
         self._inbox: deque[tuple[str, bytes]] = deque()  # notices from decode ranks of this process
         self._loop_thread = 0
+        if copy_with not in ("auto", "torch"):
+            raise ConfigError(f"copy_with must be 'auto' or 'torch', got {copy_with!r}")
+        self.copy_with = copy_with
         self.transfer = check_transfer(transfer)
         self.release_after_pack = bool(release_after_pack)
         self.packer: Packer | None = None
@@ -238,8 +252,10 @@ class Producer(RankBase):
                 pack_pool_bytes,
                 self.ledger.table.buckets,
                 self.release_after_pack,
+                copy_with,
             )
         self._early: set[str] = set()  # released to the engine after packing, still exposed
+        self._gathering: dict[str, npt.NDArray[np.int32]] = {}  # packs queued on the device
         # exposed with layers still to compute: packed once the last one is ready
         self._pack_later: dict[str, tuple[Sequence[npt.NDArray[np.int32]], npt.NDArray[np.int32], int]] = {}
 
@@ -442,6 +458,16 @@ class Producer(RankBase):
             )
             packed = False
         if not packed:
+            self._packed(request_id, ids, False)
+        elif request_id in packer.pending:  # published once its gather is done (_settle_packs)
+            self._gathering[request_id] = ids
+        else:
+            self._packed(request_id, ids, True)
+
+    def _packed(self, request_id: str, ids: npt.NDArray[np.int32], packed: bool) -> None:
+        """A request's packed copy is published (or it has none); with
+        ``release_after_pack``, hand its blocks back now."""
+        if not packed:
             self.metrics.inc("pack_fallbacks")
             self._log.info("no packed copy (pool full): the request is read directly", request=request_id)
             return
@@ -451,6 +477,18 @@ class Producer(RankBase):
             self._early.add(request_id)
             groups = self.cache.split(ids) if len(self.cache.groups) > 1 else None
             self._deliver([Release(request_id, ids, "packed", 0, None, groups)], pack=False)
+
+    def _settle_packs(self) -> bool:
+        """Publish the packed copies whose gather finished on the device; True if any did."""
+        packer = self.packer
+        if packer is None or not (packer.pending or packer.freeing):
+            return False
+        done = packer.settle()
+        for request_id, published in done:
+            ids = self._gathering.pop(request_id, None)
+            if ids is not None and request_id in self.ledger:
+                self._packed(request_id, ids, published)
+        return bool(done)
 
     def extend(self, request_id: str, seconds: float | None = None) -> None:
         """Push the lease deadline of ``request_id`` to now + ``seconds`` (default: its lease)."""
@@ -487,6 +525,7 @@ class Producer(RankBase):
             kept = []
             for release in releases:
                 self.packer.drop(release.request_id)
+                self._gathering.pop(release.request_id, None)
                 if release.request_id in self._early:  # its blocks went back after packing
                     self._early.discard(release.request_id)
                     self.metrics.inc(f"pack_released_{release.reason}")
@@ -601,6 +640,9 @@ class Producer(RankBase):
                         backoff.progressed()  # spin until the writes complete
                 except AkvError as exc:  # pragma: no cover - defensive: keep polling
                     self._log.warning("push progress failed", error=str(exc))
+            if self.packer is not None and (self.packer.pending or self.packer.freeing):
+                self._settle_packs()
+                backoff.progressed()  # spin until the gathers are done (microseconds)
             expired, until = self.ledger.expire(now)
             self._deliver(expired)
             if pusher.targets and len(self.ledger):  # announcements may come: look often

@@ -5,14 +5,19 @@ process).
 The plan's tables are the same as the read path's: each row is one run of ``len`` bytes at
 ``addr + block * stride``, and a request's descriptor indices name (row, block) pairs on both
 sides. In DRAM the runs (neighbours contiguous on both sides merged) are memory moves made
-by one worker thread per session, off the event loop. On CUDA, consecutive indices sharing a
-row pair become one gather/scatter over a strided view of the region (``[blocks, len]``, in
-the widest integer type that the run's offsets allow), or a few slice copies when the blocks
-are consecutive on both sides; the copies run on a side stream (ordered after the work
-already queued on the device's current stream) and the pull completes when an event
-recorded after them has fired. The exposure check then reads the prefill rank's table
-directly, with the same rule as a read: success only if the blocks were still exposed for
-the request once the bytes were in place.
+by one worker thread per session, off the event loop. On CUDA the same runs, from every
+prefill rank, row and layer of the request, are one table of ``(destination, source,
+bytes)`` copied by one Triton kernel launch (`akv.kernels`): one upload and one launch per
+pull, whatever the layers, blocks or ranks (``copy_with="torch"`` forces that path on CPU
+tensors, the kernel then running under Triton's interpreter when ``TRITON_INTERPRET=1`` is
+set). Without Triton, or across devices, consecutive indices sharing a row pair become one
+gather/scatter over a strided view of the region (``[blocks, len]``, in the widest integer
+type that the run's offsets allow), or a few slice copies when the blocks are consecutive on
+both sides. The copies run on a side stream (ordered after the work already queued on the
+device's current stream) and the pull completes when an event recorded after them has
+fired: no host synchronization on the pull's path. The exposure check then reads the
+prefill rank's table directly, with the same rule as a read: success only if the blocks
+were still exposed for the request once the bytes were in place.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from akv import exposure
+from akv import exposure, kernels
 from akv.errors import TransferError
+from akv.kernels import RunCopier, merge_runs
 from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
 
 if TYPE_CHECKING:
@@ -113,11 +119,13 @@ class CopyPlan:
                 self.rows[key] = _rows(table, self.remote[int(key[1])].tensors)  # type: ignore[call-overload]
         self._views: dict[tuple[int, int], Any] = {}
         self._streams: dict[Any, Any] = {}
-        self._cpu = (
-            engine != "torch"
-            and all(t.device.type == "cpu" for t in local)
-            and all(t.device.type == "cpu" for r in self.remote.values() for t in r.tensors)
-        )
+        devices = {t.device for t in local} | {t.device for r in self.remote.values() for t in r.tensors}
+        self._cpu = engine != "torch" and all(d.type == "cpu" for d in devices)
+        self._kernel: RunCopier | None = None  # one kernel launch per request, on one device
+        if not self._cpu and len(devices) == 1:
+            device = next(iter(devices))
+            if kernels.mode(device.type, engine) == "kernel":
+                self._kernel = RunCopier(device)
         self._worker: ThreadPoolExecutor | None = None
 
     def covers(self, ranks: Sequence[int] | set[int]) -> bool:
@@ -147,6 +155,8 @@ class CopyPlan:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="akv-copy")
             job = self._worker.submit(_memmove_runs, runs, (self.rows, self.remote))
             return LocalCopy([], job, checks, request_id, prepared, tuple(notify), generation)
+        if self._kernel is not None:
+            return self._launch_kernel(prepared, request_id, notify, checks, generation)
         try:  # everything is checked and viewed before the first copy is queued
             work = [
                 item
@@ -172,6 +182,50 @@ class CopyPlan:
             return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
         return LocalCopy(events, None, checks, request_id, prepared, tuple(notify), generation)
 
+    def _launch_kernel(
+        self,
+        prepared: Prepared,
+        request_id: str,
+        notify: Sequence[int],
+        checks: list[tuple[int, LocalRank]] | None,
+        generation: int,
+    ) -> LocalCopy | Failed:
+        """Copy every run of the request with one kernel launch (one table upload); on CUDA on
+        the side stream, ordered after the work queued so far, completed by an event."""
+        import torch
+
+        copier = self._kernel
+        if copier is None:  # pragma: no cover - called only with a kernel
+            return Failed(TransferError(f"copying request {request_id!r} failed: no copy kernel"))
+        try:
+            runs = [
+                self._cpu_runs(self.rows[op.local_table], self.rows[op.remote_table], li, ri)
+                for op, li, ri in prepared.posts
+            ]
+        except ValueError as exc:
+            return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
+        if not runs:
+            return LocalCopy([], None, checks, request_id, prepared, tuple(notify), generation)
+        dst, src, length = (np.concatenate(parts) for parts in zip(*runs, strict=True))
+        events = []
+        try:
+            if copier.device.type == "cuda":
+                stream = self._stream(copier.device)
+                stream.wait_stream(torch.cuda.current_stream(copier.device))
+                with torch.cuda.stream(stream):
+                    copier.copy(dst, src, length)
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(stream)
+                events.append(event)
+            else:  # Triton's interpreter: done when it returns
+                copier.copy(dst, src, length)
+        except RuntimeError as exc:
+            with contextlib.suppress(RuntimeError):
+                if copier.device.type == "cuda":
+                    torch.cuda.synchronize(copier.device)
+            return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
+        return LocalCopy(events, None, checks, request_id, prepared, tuple(notify), generation)
+
     def close(self) -> None:
         """Stop the copy worker once its queued copies are done."""
         if self._worker is not None:
@@ -192,14 +246,7 @@ class CopyPlan:
             raise ValueError("run lengths differ between the two sides")
         dst = lt.addr[lrow] + lblk * lt.stride[lrow]
         src = rt.addr[rrow] + rblk * rt.stride[rrow]
-        if len(dst) > 1:
-            joined = np.zeros(len(dst), dtype=bool)
-            joined[1:] = (dst[1:] == dst[:-1] + length[:-1]) & (src[1:] == src[:-1] + length[:-1])
-            if joined.any():
-                starts = np.flatnonzero(~joined)
-                length = np.add.reduceat(length, starts)
-                dst, src = dst[starts], src[starts]
-        return dst, src, length
+        return merge_runs(dst, src, length)
 
     def _segments(
         self, lt: _Rows, rt: _Rows, li: npt.NDArray[np.int32], ri: npt.NDArray[np.int32]

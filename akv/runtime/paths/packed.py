@@ -16,13 +16,16 @@ Stages of one pull:
    exposure was retired, so a passing check proves the bytes read were this request's.
 3. ``scattering``: `akv.packing.scatter` writes the staged bytes into the paged cache,
    whatever its layout and block size (on the poller's thread, or for a large DRAM pull while
-   other packed pulls are in flight in the staging pool's worker thread); the staging range is freed (exactly once, also on failure or abort:
+   other packed pulls are in flight in the staging pool's worker thread); on CUDA one kernel
+   launch over the pull's runs (`akv.packing.scatter_runs`, `akv.kernels`), queued, the pull
+   done once the event recorded after it fired (no host synchronization); the staging range is freed (exactly once, also on failure or abort:
    then only once NIXL released every read that may still land in it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,12 +35,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from akv import exposure
+from akv import exposure, kernels
 from akv.backends import Backend, Reaper, XferHandle, mem_type
 from akv.errors import AkvError, BackPressureError, ConfigError, IncompatiblePeerError, TransferError
 from akv.geometry.cache import CacheSpec
+from akv.kernels import RunCopier
 from akv.metrics import no_count
-from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, sections
+from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, scatter_runs, sections
 from akv.protocol.messages import PackInfo
 from akv.runtime.paths import Failed, Outcome, PathName, Pending
 from akv.runtime.paths.read import CheckPool, NixlRead, RankCheck
@@ -76,7 +80,7 @@ DIR_BUCKET_BYTES = exposure.SLOTS * DIR_WORDS * 8
 class StagingPool:
     """The decode side's registered staging area for packed reads (on the caches' device)."""
 
-    def __init__(self, size: int, like: torch.Tensor) -> None:
+    def __init__(self, size: int, like: torch.Tensor, copy_with: str = "auto") -> None:
         import torch
 
         if size < 256:
@@ -90,6 +94,13 @@ class StagingPool:
         #: to wake its poller, which would otherwise sleep until its next tick)
         self.wake: Callable[[], None] = lambda: None
         self.active = 0  # packed pulls started, not finished and not fallen back
+        #: scatters: one kernel launch per pull (CUDA, or CPU tensors under Triton's
+        #: interpreter with ``copy_with="torch"``), else torch index copies per span
+        #: (``copy_with="torch"`` or CUDA without Triton), else numpy (DRAM)
+        self.copier = (
+            RunCopier(like.device) if kernels.mode(like.device.type, copy_with) == "kernel" else None
+        )
+        self.torch_ops = True if copy_with == "torch" else None
 
     @property
     def addr(self) -> int:
@@ -247,6 +258,7 @@ class PackedRead:
         self._job: concurrent.futures.Future[float] | None = None  # a scatter in the worker
         self._active = False  # counted in staging.active
         self._verified = False  # the reads are in and checked: scatter on the next poll
+        self._event: Any = None  # recorded after a CUDA scatter: done when it fired
 
     @property
     def descriptors(self) -> int:
@@ -495,14 +507,25 @@ class PackedRead:
     def _scatter(self) -> Outcome:
         """Write the verified staged bytes into the paged cache (DRAM pulls of at least
         `WORKER_BYTES` while other packed pulls are in flight: in the staging pool's worker
-        thread, so the poller runs on); free the staging range once done."""
+        thread, so the poller runs on; CUDA: queued, done once its event fired); free the
+        staging range once done."""
+        if self._event is not None:
+            try:
+                if not self._event.query():
+                    return Pending()
+            except RuntimeError as exc:  # a CUDA error: this pull fails, the consumer runs on
+                return self._scattered(_raise, exc)
+            self._event = None
+            return self._scattered(lambda: self.scatter_s)
         if self._job is None:
             base = self._staged
             if base is None:  # pragma: no cover - the reads were posted into a staging range
                 return Failed(TransferError(f"request {self.request_id!r} has no staging range"))
             total = sum(item.nbytes for item in self._items)
             alone = self.staging.active < 2
-            if self.staging.tensor.is_cuda or total < WORKER_BYTES or alone:
+            if self.staging.tensor.is_cuda:
+                return self._queue_scatter(base)
+            if self.staging.copier is not None or total < WORKER_BYTES or alone:
                 return self._scattered(self._scatter_all, base)
             self._job = self.staging.worker().submit(self._scatter_all, base)
             self._job.add_done_callback(lambda _: self.staging.wake())
@@ -510,6 +533,21 @@ class PackedRead:
             return Pending()
         job, self._job = self._job, None
         return self._scattered(job.result)
+
+    def _queue_scatter(self, base: int) -> Outcome:
+        """Queue the scatter on the device's current stream and record its event (no wait)."""
+        import torch
+
+        try:
+            self.scatter_s = self._scatter_all(base)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(self.staging.tensor.device))
+        except (RuntimeError, ValueError, IndexError) as exc:
+            with contextlib.suppress(RuntimeError):  # what was queued may still read the staging
+                torch.cuda.current_stream(self.staging.tensor.device).synchronize()
+            return self._scattered(_raise, exc)
+        self._event = event
+        return Pending(True)
 
     def _scattered(self, run: Callable[..., float], *args: Any) -> Outcome:
         """The outcome of the scatter ``run(*args)`` (seconds it took, or an error)."""
@@ -533,17 +571,39 @@ class PackedRead:
             self.direct = None
 
     def _scatter_all(self, base: int) -> float:
-        """Scatter every item staged from ``base``; returns the seconds it took."""
-        import torch
-
+        """Scatter every item staged from ``base`` (on CUDA: queue it); returns the seconds
+        it took."""
         started = time.perf_counter()
+        copier = self.staging.copier
+        if copier is not None:  # one kernel launch for the whole pull
+            addr = self.staging.addr + base
+            runs = [
+                scatter_runs(
+                    self.views,
+                    item.group,
+                    item.component,
+                    item.local_units,
+                    addr + item.offset,
+                    item.blocks,
+                    item.positions,
+                )
+                for item in self._items
+            ]
+            if runs:
+                copier.copy(*(np.concatenate(parts) for parts in zip(*runs, strict=True)))
+            return time.perf_counter() - started
         for item in self._items:
             staged = self.staging.tensor[base + item.offset : base + item.offset + item.nbytes]
             scatter(
-                self.views, item.group, item.component, item.local_units, staged, item.blocks, item.positions
+                self.views,
+                item.group,
+                item.component,
+                item.local_units,
+                staged,
+                item.blocks,
+                item.positions,
+                self.staging.torch_ops,
             )
-        if self.staging.tensor.is_cuda:
-            torch.cuda.current_stream(self.staging.tensor.device).synchronize()
         return time.perf_counter() - started
 
     # -- fallback and cleanup ---------------------------------------------------------------
@@ -584,6 +644,11 @@ class PackedRead:
         if self._job is not None:  # a scatter in flight: none writes after this returns
             concurrent.futures.wait([self._job])
             self._job = None
+        if self._event is not None:  # a CUDA scatter queued: none writes after this returns
+            with contextlib.suppress(RuntimeError):
+                self._event.synchronize()
+            self._event = None
+            self._free_staging()
         for handle, rank in list(self._lookups.items()):
             slot = self._dir_slots.pop(rank, None)
             then: Any = None
@@ -602,6 +667,10 @@ class PackedRead:
         if self.read is None or self._landed:
             self._free_staging()
         self._forget()
+
+
+def _raise(exc: BaseException) -> float:
+    raise exc
 
 
 def error_for(ranks: Sequence[int], engine: str) -> AkvError:

@@ -1,0 +1,143 @@
+"""One copy kernel per request (`akv.kernels`): the Triton kernel run by Triton's interpreter
+on CPU tensors (``copy_with="torch"`` with ``TRITON_INTERPRET=1``: the code path CUDA tensors
+take) moves exactly the right bytes on every pairing, and the copy path, the pack and the
+packed scatter cost a constant number of torch operations per request, none syncing the host."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import akv
+from akv import kernels
+from akv.errors import ConfigError
+from tests.opcounts import HOST_SYNCS, KERNEL_RANGE, PATHS
+from tests.transfers import PAIRINGS, pull_every_request, pull_everything
+
+PAIRS = [pytest.param(*v, id=k) for k, v in PAIRINGS.items()]
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Triton's interpreter on: the kernel runs on CPU tensors."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def test_modes_keep_memory_moves_on_dram(interpret: None) -> None:
+    """DRAM with copy_with="auto" never takes the kernel; "torch" takes it under the
+    interpreter, and falls back to torch operations without it."""
+    assert kernels.mode("cpu", "auto") == "host"
+    assert kernels.mode("cpu", "torch") == "kernel"
+    assert kernels.mode("cuda", "auto") == "torch"  # the interpreter cannot reach device memory
+
+
+def test_torch_fallback_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without TRITON_INTERPRET, copy_with="torch" on CPU tensors takes torch operations."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert kernels.mode("cpu", "torch") == "torch"
+    assert kernels.mode("cuda", "auto") == "kernel"
+
+
+def test_kernel_copies_runs_bit_exact(interpret: None) -> None:
+    """Runs of any alignment and length (longer than a kernel row's chunk too) land bit-exact,
+    and neighbours contiguous on both sides are merged into one row."""
+    rng = np.random.default_rng(3)
+    src = torch.from_numpy(rng.integers(0, 256, 300_000, dtype=np.uint8))
+    dst = torch.zeros(300_000, dtype=torch.uint8)
+    want = dst.clone()
+    lengths = [1, 3, 17, 256, 4096, 70_000, 5, 100_000]
+    starts_d = [0, 10, 40, 300, 1000, 6000, 80_000, 100_000]
+    starts_s = [7, 100, 2, 999, 150_000, 10, 77_777, 199_999]
+    for d, s, n in zip(starts_d, starts_s, lengths, strict=True):
+        want[d : d + n] = src[s : s + n]
+    copier = kernels.RunCopier(torch.device("cpu"))
+    rows = copier.copy(
+        dst.data_ptr() + np.array(starts_d, dtype=np.int64),
+        src.data_ptr() + np.array(starts_s, dtype=np.int64),
+        np.array(lengths, dtype=np.int64),
+    )
+    assert torch.equal(dst, want)
+    assert rows >= len(lengths)  # the long runs cut into pieces
+    x = torch.arange(1024, dtype=torch.int64)
+    y = torch.zeros(1024, dtype=torch.int64)
+    at = np.arange(0, 1024 * 8, 64, dtype=np.int64)
+    assert copier.copy(y.data_ptr() + at, x.data_ptr() + at, np.full(len(at), 64)) == 1
+    assert torch.equal(x, y)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+async def test_copy_kernel_bit_exact_on_every_pairing(
+    interpret: None, pspec: Any, dspec: Any, p: int, d: int
+) -> None:
+    """The copy path's kernel, under the interpreter, fills every decode rank bit-exact on
+    every pairing (TP kinds, MLA, hybrid groups, sliding windows, mixed layouts and block sizes,
+    prefix hits)."""
+    results, engine = await pull_everything(pspec, dspec, p, d, "auto", copy_with="torch")
+    assert {r.path for r in results} == {"copy"}
+    assert set(engine.reasons.values()) == {p}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+async def test_pack_and_scatter_kernels_bit_exact_on_every_pairing(
+    interpret: None, pspec: Any, dspec: Any, p: int, d: int
+) -> None:
+    """The pack's and the packed scatter's kernels, under the interpreter, fill every decode
+    rank bit-exact on every pairing."""
+    results, engine = await pull_every_request(
+        pspec,
+        dspec,
+        p,
+        d,
+        lambda r: akv.Consumer(
+            akv.allocate_kv_cache(dspec, r, d),
+            dspec,
+            tp_rank=r,
+            tp_size=d,
+            same_process="nixl",
+            transfer="packed",
+            copy_with="torch",
+        ),
+        requests=3,
+        seed=11,
+        transfer="packed",
+        copy_with="torch",
+    )
+    assert {r.path for r in results} == {"packed"}
+    assert all(p.metrics.counters.get("packed", 0) == 3 for p in engine.producers)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_torch_ops_per_request_do_not_grow(interpret: None, path: str) -> None:
+    """One request's torch operations on the copy path, the pack and the packed scatter are
+    the same for 4, 16 and 32 layers and 16 and 128 blocks, at most 8, one kernel launch, and
+    none of them syncs the host."""
+    counts = {
+        (layers, blocks): PATHS[path](layers, blocks, "torch")
+        for layers in (4, 16, 32)
+        for blocks in (16, 128)
+    }
+    totals = {key: sum(ops.values()) for key, ops in counts.items()}
+    assert len(set(totals.values())) == 1, totals
+    assert next(iter(totals.values())) <= 8, counts
+    for ops in counts.values():
+        assert ops[KERNEL_RANGE] == 1
+        assert not any(ops[name] for name in HOST_SYNCS), ops
+
+
+def test_producer_rejects_unknown_copy_with() -> None:
+    """Producer(copy_with=...) other than "auto" or "torch" is a ConfigError."""
+    spec = akv.KVSpec.create(layers=1, num_blocks=4, block_size=4, kv_heads=1, head_dim=8, dtype="float16")
+    with pytest.raises(ConfigError, match="copy_with"):
+        akv.Producer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, copy_with="numpy")
