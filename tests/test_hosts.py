@@ -1,5 +1,6 @@
 """The separate-hosts harness (tests/hosts.py): namespaces, process trees, faults, and akv across
-hosts with UCX moving the data over TCP between nodes, never over shared memory."""
+hosts with UCX moving the data over TCP between nodes, never over shared memory: the prefill
+pushes (UCX never serves READs over TCP; a decode asking to pull there is refused)."""
 
 from __future__ import annotations
 
@@ -49,12 +50,15 @@ def start_prefill(host: Host, *extra: str, env: dict[str, str] | None = None) ->
     return proc, out, str(ready["endpoint"])
 
 
+def decode_argv(endpoint: str, *extra: str) -> list[str]:
+    return [*AKV, "decode", "--tp-size", "1", "--kv-heads", "4", *MODEL, "--connect", endpoint,
+            "--secret", SECRET, "--json", *extra]  # fmt: skip
+
+
 def run_decode(host: Host, endpoint: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
-    """``akv decode`` on ``host`` against ``endpoint``; returns (its summary, all it printed)."""
-    # these tests read between the hosts: pull, which the default would not pick there
-    argv = [*AKV, "decode", "--tp-size", "1", "--kv-heads", "4", *MODEL, "--connect", endpoint,
-            "--secret", SECRET, "--mode", "pull", "--json"]  # fmt: skip
-    res = host.run(argv, env=env or akv_env(), timeout=90)
+    """``akv decode`` (default mode) on ``host`` against ``endpoint``; returns (its summary, all
+    it printed)."""
+    res = host.run(decode_argv(endpoint), env=env or akv_env(), timeout=90)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"decode printed no JSON (exit {res.returncode}): {res.stdout[-2000:]}{res.stderr[-2000:]}"
     summary = dict(json.loads(lines[-1]))
@@ -67,10 +71,13 @@ def prefill_summary(proc: Any, out: Lines) -> dict[str, Any]:
     return out.wait_json("summary", timeout=5)
 
 
-def assert_all_verified(decode: dict[str, Any], prefill: dict[str, Any]) -> None:
+def assert_all_pushed(decode: dict[str, Any], prefill: dict[str, Any]) -> None:
+    """Every request verified, moved by the prefill's WRITEs, and released once as pushed."""
     assert decode["requests"] == REQUESTS
     assert decode["verified"] == REQUESTS and decode["failed"] == 0, decode.get("errors")
-    assert prefill["released"] == REQUESTS and prefill["expired"] == 0, prefill
+    assert decode["paths"] == {"push": REQUESTS}, decode
+    assert prefill["released"] == prefill["pushed"] == REQUESTS and prefill["expired"] == 0, prefill
+    assert prefill["unreleased"] == prefill["duplicate_releases"] == 0, prefill
     assert prefill["auth_failures"] == 0 and prefill["notifications_invalid"] == 0
 
 
@@ -134,9 +141,10 @@ def test_terminate_reaches_the_command_and_kill_ends_the_namespace(ab: Network) 
 
 
 @pytest.mark.slow
-def test_prefill_and_decode_on_separate_hosts_pull_over_tcp(ab: Network) -> None:
-    """Every request verifies and is released by read, and UCX read the blocks inter-node over TCP
-    on the hosts' link: no intra-node protocol, no shared-memory transport on either side."""
+def test_prefill_and_decode_on_separate_hosts_push_over_tcp(ab: Network) -> None:
+    """The default mode between hosts pushes: every request verifies and is released once as
+    pushed, the prefill's UCX wrote the blocks inter-node over TCP on the hosts' link, no side
+    read, and no side used an intra-node protocol or a shared-memory transport."""
     a, b = ab
     env = akv_env(UCX_PROTO_INFO="y")
     proc, out, endpoint = start_prefill(a, env=env)
@@ -145,18 +153,40 @@ def test_prefill_and_decode_on_separate_hosts_pull_over_tcp(ab: Network) -> None
     decode, printed = run_decode(b, endpoint, env=env)
     wall = time.monotonic() - started
     prefill = prefill_summary(proc, out)
-    assert_all_verified(decode, prefill)
+    assert_all_pushed(decode, prefill)
     print(f"no delay: decode {wall:.2f}s wall, {decode['seconds']:.3f}s transfers")
 
-    for side, text in (("decode", printed), ("prefill", out.text(5))):
-        assert_inter_node_tcp(text, side)
-    reads = [t for t in proto_tables(printed) if t.operation.startswith("remote memory read by ucp_get")]
-    assert reads and all(t.scope == "inter-node" for t in reads), reads
-    assert all(transport == f"tcp/{IFACE}" for t in reads for *_, transport in t.rows), reads
+    tables = {
+        side: assert_inter_node_tcp(text, side)
+        for side, text in (("decode", printed), ("prefill", out.text(5)))
+    }
+    for side, ts in tables.items():
+        assert not [t for t in ts if t.operation.startswith("remote memory read")], side
+    writes = [t for t in tables["prefill"] if t.operation.startswith("remote memory write by ucp_put")]
+    assert writes, [t.operation for t in tables["prefill"]]
+    assert all(transport == f"tcp/{IFACE}" for t in writes for *_, transport in t.rows), writes
 
 
 @pytest.mark.slow
-def test_pulls_verify_with_20ms_delay_on_the_prefill_link(ab: Network, record_property: Any) -> None:
+def test_decode_mode_pull_between_hosts_is_refused(ab: Network) -> None:
+    """`akv decode --mode pull` against a prefill on another host (no RDMA) is refused as a
+    configuration mistake: exit 64, nothing on stdout, one line on stderr naming the READs over
+    TCP hazard and `--mode push`; the prefill is still running."""
+    a, b = ab
+    proc, _out, endpoint = start_prefill(a)
+    res = b.run(decode_argv(endpoint, "--mode", "pull"), env=akv_env(), timeout=90)
+    assert res.returncode == 64, (res.returncode, res.stdout[-2000:], res.stderr[-2000:])
+    assert res.stdout == "", res.stdout[-2000:]
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("akv decode: mode='pull'"), line
+    assert "READs over TCP" in line and "--mode push" in line, line
+    assert proc.poll() is None
+
+
+@pytest.mark.slow
+def test_pushes_verify_with_20ms_delay_on_the_prefill_link(ab: Network, record_property: Any) -> None:
+    """With 20 ms each way on the prefill host's link, every request still verifies and is
+    pushed, and the transfers took at least one delayed round trip."""
     a, b = ab
     backend = ab.require_faults()
     proc, out, endpoint = start_prefill(a)
@@ -165,7 +195,7 @@ def test_pulls_verify_with_20ms_delay_on_the_prefill_link(ab: Network, record_pr
         decode, _ = run_decode(b, endpoint)
         wall = time.monotonic() - started
     prefill = prefill_summary(proc, out)
-    assert_all_verified(decode, prefill)
+    assert_all_pushed(decode, prefill)
     record_property("delay_backend", backend)
     record_property("decode_wall_s", round(wall, 3))
     record_property("decode_transfer_s", decode["seconds"])
@@ -209,8 +239,22 @@ INTER_NODE = """\
 [1795247215.672733] [hostB:1    :0]   +------------+----------------------+-------------+
 """
 
+# Printed by a prefill pushing to a decode on another host (the WRITEs its agent posts).
+WRITE = """\
+[1795731187.437228] [h1-akv-10827-0:3    :1]   +--------+-------------+------------------------------------------+
+[1795731187.437228] [h1-akv-10827-0:3    :1]   | prefill-p0-dbc12022 inter-node cfg#1                            |
+[1795731187.437228] [h1-akv-10827-0:3    :1]   | remote memory write by ucp_put*(multi) from host memory to host |
+[1795731187.437228] [h1-akv-10827-0:3    :1]   +--------+-------------+------------------------------------------+
+[1795731187.437228] [h1-akv-10827-0:3    :1]   | Range  | Description |                  Config                  |
+[1795731187.437228] [h1-akv-10827-0:3    :1]   +--------+-------------+------------------------------------------+
+[1795731187.437228] [h1-akv-10827-0:3    :1]   | 0..inf | zero-copy   | tcp/akv0                                 |
+[1795731187.437228] [h1-akv-10827-0:3    :1]   +--------+-------------+------------------------------------------+
+"""
+
 
 def test_proto_tables_reads_what_ucx_prints() -> None:
+    """`proto_tables` parses UCX_PROTO_INFO's read, write and active-message tables, with the
+    tables of two threads interleaved."""
     (intra,) = proto_tables(INTRA_NODE)
     assert (intra.scope, intra.rows) == ("intra-node", [("0..inf", "zero-copy", "cma/memory")])
     assert intra.operation == "remote memory read by ucp_get*(multi) into host memory from host"
@@ -222,3 +266,10 @@ def test_proto_tables_reads_what_ucx_prints() -> None:
     )
     assert (am.scope, am.operation) == ("self", "active message by ucp_am_send* from host memory")
     assert am.rows == [("0", "short", "tcp/veth2"), ("1..65528", "zero-copy", "tcp/veth2")]
+    (write,) = proto_tables(WRITE)
+    assert (write.ep, write.scope, write.rows) == (
+        "prefill-p0-dbc12022",
+        "inter-node",
+        [("0..inf", "zero-copy", "tcp/akv0")],
+    )
+    assert write.operation == "remote memory write by ucp_put*(multi) from host memory to host"
