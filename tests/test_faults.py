@@ -190,7 +190,8 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
 async def test_decode_crash_after_handshake_releases_everything_by_lease_once() -> None:
     """A decode process killed after its handshake: prefill releases every request once
     (read or lease) and reports the counts."""
-    with prefill_process(2, 4, "--lease", "6", requests=12) as (proc, endpoint):  # outlives decode start-up
+    # the lease outlives decode start-up (two rank processes), also on a loaded machine
+    with prefill_process(2, 4, "--lease", "15", requests=12) as (proc, endpoint):
         cmd = [
             sys.executable,
             "-m",
@@ -208,10 +209,12 @@ async def test_decode_crash_after_handshake_releases_everything_by_lease_once() 
             "1",
         ]
         decode = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        first = read_json_line(decode)  # one request pulled: handshakes are done
-        assert first["event"] == "progress", first
-        decode.send_signal(signal.SIGKILL)
-        stop(decode)
+        try:
+            first = read_json_line(decode)  # one request pulled: handshakes are done
+            assert first["event"] == "progress", first
+            decode.send_signal(signal.SIGKILL)
+        finally:
+            stop(decode)
         summary = summary_of(proc)
     assert summary["duplicate_releases"] == 0 and summary["unreleased"] == 0
     assert summary["released"] + summary["expired"] == 12

@@ -147,6 +147,7 @@ async def assert_released_once(proc: subprocess.Popen[str]) -> None:
 
 @pytest.mark.parametrize("transport_env,mode", [((t), m) for t, m in LINKS], indirect=["transport_env"])
 @pytest.mark.parametrize("fault", ["kill", "stop"])
+@pytest.mark.timeout(360)  # ROUNDS decode processes, each stopped 3.5 s: past 120 s on a loaded machine
 async def test_decode_dying_mid_transfer_leaves_prefill_serving(
     transport_env: str, mode: str | None, fault: str
 ) -> None:
@@ -192,6 +193,7 @@ async def test_decode_dying_mid_transfer_leaves_prefill_serving(
 
 
 @pytest.mark.parametrize("transport_env,mode", [("tcp", None), ("tcp", "push")], indirect=["transport_env"])
+@pytest.mark.timeout(300)
 async def test_decode_closing_its_session_mid_transfer_leaves_prefill_serving(
     transport_env: str, mode: str | None
 ) -> None:
