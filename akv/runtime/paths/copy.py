@@ -71,6 +71,10 @@ class _Rows:
     start: npt.NDArray[np.int64]
 
 
+#: (destination, source, length) of byte runs
+_Runs = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
+
+
 def _rows(table: npt.NDArray[np.int64], tensors: Sequence[torch.Tensor]) -> _Rows:
     bases = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
     sizes = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
@@ -141,13 +145,9 @@ class CopyPlan:
         ranks = sorted({op.remote_rank for op, _, _ in prepared.posts})
         checks = [(r, self.remote[r]) for r in ranks] if check else None
         if self._cpu:
-            try:
-                runs = [
-                    self._cpu_runs(self.rows[op.local_table], self.rows[op.remote_table], li, ri)
-                    for op, li, ri in prepared.posts
-                ]
-            except ValueError as exc:
-                return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
+            runs = self._request_runs(prepared, request_id)
+            if isinstance(runs, Failed):
+                return runs
             if prepared.bytes <= self.inline_bytes:  # no thread hop, no GIL ping-pong with the poller
                 _memmove_runs(runs, None)
                 return LocalCopy([], None, checks, request_id, prepared, tuple(notify), generation)
@@ -197,13 +197,9 @@ class CopyPlan:
         copier = self._kernel
         if copier is None:  # pragma: no cover - called only with a kernel
             return Failed(TransferError(f"copying request {request_id!r} failed: no copy kernel"))
-        try:
-            runs = [
-                self._cpu_runs(self.rows[op.local_table], self.rows[op.remote_table], li, ri)
-                for op, li, ri in prepared.posts
-            ]
-        except ValueError as exc:
-            return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
+        runs = self._request_runs(prepared, request_id)
+        if isinstance(runs, Failed):
+            return runs
         if not runs:
             return LocalCopy([], None, checks, request_id, prepared, tuple(notify), generation)
         dst, src, length = (np.concatenate(parts) for parts in zip(*runs, strict=True))
@@ -234,10 +230,18 @@ class CopyPlan:
 
     # -- copying ------------------------------------------------------------------------
 
+    def _request_runs(self, prepared: Prepared, request_id: str) -> list[_Runs] | Failed:
+        """Every run of the request, per prefill rank read (see `_cpu_runs`), or its failure."""
+        try:
+            return [
+                self._cpu_runs(self.rows[op.local_table], self.rows[op.remote_table], li, ri)
+                for op, li, ri in prepared.posts
+            ]
+        except ValueError as exc:
+            return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
+
     @staticmethod
-    def _cpu_runs(
-        lt: _Rows, rt: _Rows, li: npt.NDArray[np.int32], ri: npt.NDArray[np.int32]
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def _cpu_runs(lt: _Rows, rt: _Rows, li: npt.NDArray[np.int32], ri: npt.NDArray[np.int32]) -> _Runs:
         """(destination, source, length) of every run of one prefill rank's read, neighbours
         contiguous on both sides merged: DRAM copies are plain memory moves."""
         lrow, lblk, rrow, rblk = _locate(lt, rt, li, ri)
