@@ -9,8 +9,10 @@ process read through NIXL.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -19,8 +21,18 @@ import pytest
 
 import akv
 from akv.metrics import CONTROL_OPS
-from akv.testing import make_requests, verify_request
-from tests.conftest import local_ids, make_spec, prefill_engine
+from akv.testing import fetch_requests, make_requests, verify_request
+from tests.conftest import (
+    MODEL,
+    cli_spec,
+    decode_rank,
+    local_ids,
+    make_spec,
+    prefill_engine,
+    prefill_process,
+    summary_of,
+    verify,
+)
 from tests.transfers import pull_request
 
 pytestmark = pytest.mark.anyio
@@ -146,3 +158,37 @@ def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
     zero = dict.fromkeys(CONTROL_OPS, 0)
     assert w["control_ops"] == {**zero, "check_reads": 1, "flush_reads": 1}
     assert w["push_control_ops"] == {**zero, "push_announces": 1, "push_notices": 1}
+
+
+@pytest.mark.parametrize("transfer", ["direct", "packed"])
+async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(transfer: str) -> None:
+    """A checked pull (direct, or packed with its directory READ) needs nothing from the
+    prefill rank's poller on its way to completion: its bytes, directory and exposure check
+    are one-sided READs and its "done" notice rides the last of them, so it completes,
+    bit-exact, while the prefill process is stopped; once it runs again it gets the notice and
+    releases the request once, by read. (A hop through the prefill's poller would be a sleep
+    of that poller on every pull's critical path.)"""
+    extra = ["--transfer", "packed"] if transfer == "packed" else []
+    with prefill_process(1, 4, "--lease", "30", *extra, requests=2) as (proc, endpoint):
+        spec = cli_spec("--kv-heads", "4", *MODEL)
+        reqs = await fetch_requests(endpoint, spec, None, "t")
+        kw: dict[str, Any] = {"transfer": "packed"} if transfer == "packed" else {}
+        async with decode_rank(spec, transfer_timeout=20.0, **kw) as consumer:
+            session = await consumer.connect(endpoint)
+            first, second = reqs
+            await (await session.pull(first.request_id, [0, 1, 2, 3], first.block_ids))  # links the rank
+            await anyio.sleep(0.5)  # the flush behind the first notice is acknowledged
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with anyio.fail_after(10):
+                    result = await (await session.pull(second.request_id, [4, 5, 6, 7], second.block_ids))
+                took = time.monotonic() - started
+                assert result.path == ("packed" if transfer == "packed" else "read")
+                assert verify(consumer, [4, 5, 6, 7], second.seed, range(4))
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            summary = summary_of(proc)
+    assert took < 5, took
+    assert summary["released"] == 2 and summary["expired"] == 0, summary
+    assert summary["duplicate_releases"] == 0 and summary["unreleased"] == 0, summary
