@@ -82,7 +82,9 @@ def test_tensors_akv_cannot_read_in_place_are_refused() -> None:
     with pytest.raises(akv.ConfigError, match="K and V"):
         describe({n: torch.zeros(NB, HEADS, BS, HS) for n in NAMES}, [GROUP], content="block")
     with pytest.raises(akv.ConfigError, match="not a permutation"):
-        describe({n: torch.zeros(NB, HEADS, BS, 4 * HS)[..., : 2 * HS] for n in NAMES}, [GROUP], content="token")
+        describe(
+            {n: torch.zeros(NB, HEADS, BS, 4 * HS)[..., : 2 * HS] for n in NAMES}, [GROUP], content="token"
+        )
     with pytest.raises(akv.ConfigError, match="no KV tensor"):
         describe({NAMES[0]: t}, [GROUP], content="block")
 
@@ -149,7 +151,9 @@ async def test_pull_between_vllm_layouts_across_tp(
                 session = await consumer.connect(str(server.endpoint))
                 result = await (
                     await session.pull(
-                        akv.PullRequest(request_id="req", local_block_ids=local, remote_block_ids=remote, generation=11)
+                        akv.PullRequest(
+                            request_id="req", local_block_ids=local, remote_block_ids=remote, generation=11
+                        )
                     )
                 )
                 assert result.path == "read"
@@ -157,7 +161,10 @@ async def test_pull_between_vllm_layouts_across_tp(
                 for c, view in enumerate(kv_views(t, d_content)):
                     for lb, rb in zip(local, remote, strict=True):
                         want = torch.tensor(
-                            [[value(li, c, d * heads + h, tok, rb) for tok in range(BS)] for h in range(heads)]
+                            [
+                                [value(li, c, d * heads + h, tok, rb) for tok in range(BS)]
+                                for h in range(heads)
+                            ]
                         )
                         assert torch.equal(view[lb, :, :, 0], want), (li, c, lb)
         tg.cancel_scope.cancel()
@@ -169,7 +176,9 @@ async def test_pull_with_tensors_shared_across_groups() -> None:
     layer of each group: describe gives each layer its own region (aliasing), and a pull with
     per-group block ids moves every full block and the sliding group's window, over NIXL READs."""
     full = LayerGroup("g0", "full", (NAMES4[1], NAMES4[3]), total_kv_heads=HEADS, head_size=HS)
-    sliding = LayerGroup("g1", "sliding", (NAMES4[0], NAMES4[2]), total_kv_heads=HEADS, head_size=HS, window=BS)
+    sliding = LayerGroup(
+        "g1", "sliding", (NAMES4[0], NAMES4[2]), total_kv_heads=HEADS, head_size=HS, window=BS
+    )
     n = 3 * BS - 2  # 3 blocks; the window of BS tokens starts in the second block
     remote = {"g0": [1, 2, 3], "g1": [5, 6]}  # one pool: a block is one group's at a time
     local = {"g0": [4, 7, 2], "g1": [1, 3]}
@@ -193,7 +202,9 @@ async def test_pull_with_tensors_shared_across_groups() -> None:
         tg = await stack.enter_async_context(anyio.create_task_group())
         await tg.start(server.serve)
         spec, regions = describe(kv_p, [full, sliding], content="block")
-        assert len(regions) == 4 and regions[0].data_ptr() == regions[2].data_ptr()  # g0's layer 1, g1's layer 0
+        assert (
+            len(regions) == 4 and regions[0].data_ptr() == regions[2].data_ptr()
+        )  # g0's layer 1, g1's layer 0
         producer = await stack.enter_async_context(
             akv.Producer(regions, spec, tp_rank=0, tp_size=1, engine_id="vllm-p", server=server)
         )
@@ -240,16 +251,22 @@ def test_scheduler_block_ids_per_group_with_a_sliding_window() -> None:
 
     def decode(n: int, remote_ids: tuple[tuple[int, ...], ...], blocks: list[list[SimpleNamespace]]) -> Any:
         remote = RemoteKV("10.0.0.1:5700", "req", remote_ids, 7, n, 128, 60.0)
-        req = SimpleNamespace(request_id="r", prompt_token_ids=[1] * n, kv_transfer_params=remote.to_params("p", 1))
+        req = SimpleNamespace(
+            request_id="r", prompt_token_ids=[1] * n, kv_transfer_params=remote.to_params("p", 1)
+        )
         count, _ = half.get_num_new_matched_tokens(req, 0)
         if count:
             half.update_state_after_alloc(req, SimpleNamespace(blocks=blocks), count)
         return count, half.build_meta(SimpleNamespace(num_scheduled_tokens={})).pull.get("r")
 
-    count, job = decode(300, ((1, 2, 3), (5, 6)), [[block(7), block(8), block(9)], [block(1), block(2), block(3)]])
+    count, job = decode(
+        300, ((1, 2, 3), (5, 6)), [[block(7), block(8), block(9)], [block(1), block(2), block(3)]]
+    )
     assert count == 300 and job.local_block_ids == ((7, 8, 9), (2, 3))
     # a local prefix hit of one block: full group reads the rest, the sliding window is all new
-    count, job = decode(300, ((1, 2, 3), (5, 6)), [[block(7, True), block(8), block(9)], [block(0), block(2), block(3)]])
+    count, job = decode(
+        300, ((1, 2, 3), (5, 6)), [[block(7, True), block(8), block(9)], [block(0), block(2), block(3)]]
+    )
     assert job.local_block_ids == ((8, 9), (2, 3))
     # 191 tokens: vLLM freed block 0 of the sliding group on prefill, token 127 with it
     assert half._exposable(([1, 2], [4, 5]), 191) == ((1, 2), (5,))
@@ -270,15 +287,21 @@ def mamba_spec(kind: str, **kw: Any) -> Any:
     from types import SimpleNamespace
 
     shapes, dtype = (MAMBA2_SHAPES, torch.float32) if kind == "mamba2" else (GDN_SHAPES, torch.bfloat16)
-    fields: dict[str, Any] = dict(shapes=shapes, dtypes=(dtype, dtype), num_speculative_blocks=0,
-                                  mamba_type=SimpleNamespace(name="MAMBA2" if kind == "mamba2" else "GDN_ATTN"))
+    fields: dict[str, Any] = dict(
+        shapes=shapes,
+        dtypes=(dtype, dtype),
+        num_speculative_blocks=0,
+        mamba_type=SimpleNamespace(name="MAMBA2" if kind == "mamba2" else "GDN_ATTN"),
+    )
     fields.update(kw)
     size = torch.empty((), dtype=dtype).element_size()
     fields["page_size_bytes"] = sum(int(torch.tensor(s).prod()) for s in fields["shapes"]) * size
     return SimpleNamespace(**fields)
 
 
-def state_caches(spec: Any, names: list[str], page: int) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+def state_caches(
+    spec: Any, names: list[str], page: int
+) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, ...]]]:
     """What vLLM's allocator and the layers' bind_kv_cache make of one int8 buffer (layer-major):
     per layer an int8 [slots, 1, 1, state bytes] view whose slots sit ``page`` bytes apart, and
     the layer's own (conv, temporal) state views into it."""
@@ -313,7 +336,9 @@ def test_state_group_components_are_views_of_vllm_state(kind: str) -> None:
     cache, regions = describe(kv, [group], content="block")
     g = cache.groups[0]
     assert g.kind == kind and g.layers == (0, 2) and g.block_size == 1 and g.dtype == "int8"
-    assert [c.name for c in g.components] == (["x", "B", "C", "ssm"] if kind == "mamba2" else ["q", "k", "v", "state"])
+    assert [c.name for c in g.components] == (
+        ["x", "B", "C", "ssm"] if kind == "mamba2" else ["q", "k", "v", "state"]
+    )
     views = akv.layer_views(regions, cache, 0, 1)["g1"]
     for li, (conv, temporal) in enumerate(states):
         assert regions[li].data_ptr() == kv[names[li]].data_ptr()
@@ -369,7 +394,10 @@ async def test_pull_state_and_attention_groups_sharing_tensors() -> None:
         ssm = raw.as_strided((NB, c - conv_bytes), (page, 1), conv_bytes).view(torch.float32)
         return {attn_name: attn, mamba_name: mamba}, (conv, ssm.view(NB, *MAMBA2_SHAPES[1]))
 
-    groups = [LayerGroup("g0", "full", (attn_name,), HEADS, HS), LayerGroup("g1", "mamba2", (mamba_name,), 0, 0, pieces=pieces)]
+    groups = [
+        LayerGroup("g0", "full", (attn_name,), HEADS, HS),
+        LayerGroup("g1", "mamba2", (mamba_name,), 0, 0, pieces=pieces),
+    ]
     kv_p, (conv_p, ssm_p) = caches()
     kv_d, (conv_d, ssm_d) = caches()
     conv_p.copy_(torch.randn_like(conv_p))
@@ -391,7 +419,9 @@ async def test_pull_state_and_attention_groups_sharing_tensors() -> None:
         cache, regions = describe(kv_d, groups, content="block")
         async with akv.Consumer(regions, cache, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
             session = await consumer.connect(str(server.endpoint))
-            req = akv.PullRequest(request_id="req", local_block_ids=local, remote_block_ids=remote, generation=3)
+            req = akv.PullRequest(
+                request_id="req", local_block_ids=local, remote_block_ids=remote, generation=3
+            )
             assert (await (await session.pull(req))).path == "read"
         tg.cancel_scope.cancel()
     assert torch.equal(conv_d[5], conv_p[3]) and torch.equal(ssm_d[5], ssm_p[3])
@@ -414,8 +444,12 @@ def test_scheduler_hybrid_state_slot_and_truncation() -> None:
     tokens = list(range(300))
     params: dict[str, Any] = {"do_remote_decode": True}
     req = SimpleNamespace(
-        request_id="p", prompt_token_ids=tokens, _all_token_ids=list(tokens), num_prompt_tokens=300,
-        max_tokens=16, kv_transfer_params=params,
+        request_id="p",
+        prompt_token_ids=tokens,
+        _all_token_ids=list(tokens),
+        num_prompt_tokens=300,
+        max_tokens=16,
+        kv_transfer_params=params,
     )
     half.on_new_request(req)
     half.on_new_request(req)  # once only
@@ -429,7 +463,9 @@ def test_scheduler_hybrid_state_slot_and_truncation() -> None:
 
     def decode(n: int, prompt: int, blocks: list[list[SimpleNamespace]], computed: int = 0) -> Any:
         remote = RemoteKV("10.0.0.1:5700", "req", ((1, 2, 3), (9,)), 7, n, 128, 60.0)
-        r = SimpleNamespace(request_id="r", prompt_token_ids=[1] * prompt, kv_transfer_params=remote.to_params("p", 1))
+        r = SimpleNamespace(
+            request_id="r", prompt_token_ids=[1] * prompt, kv_transfer_params=remote.to_params("p", 1)
+        )
         count, _ = half.get_num_new_matched_tokens(r, computed)
         if count:
             half.update_state_after_alloc(r, SimpleNamespace(blocks=blocks), count)
@@ -438,7 +474,9 @@ def test_scheduler_hybrid_state_slot_and_truncation() -> None:
     count, job = decode(299, 300, [[block(4), block(5), block(6)], [block(11)]])
     assert count == 299 and job.local_block_ids == ((4, 5, 6), (11,))
     # a local prefix hit of one block: attention pulls the rest, the state slot is pulled whole
-    count, job = decode(299, 300, [[block(4, True), block(5), block(6)], [block(0), block(12), block(13)]], 128)
+    count, job = decode(
+        299, 300, [[block(4, True), block(5), block(6)], [block(0), block(12), block(13)]], 128
+    )
     assert count == 171 and job.local_block_ids == ((5, 6), (13,))
     assert decode(300, 300, []) == (0, None)  # prefill's state already holds the last token
 
@@ -454,8 +492,76 @@ def test_state_tensors_akv_cannot_read_in_place_are_refused() -> None:
     for bad, match in (
         (torch.zeros(NB, 1, 1, c // 4), "int8"),
         (raw.as_strided((NB, 1, 1, c), (c // 2, c, c, 1)), "apart"),
-        (torch.zeros((NB - 1) * 4 * c + c, dtype=torch.int8).as_strided((NB, 1, 1, c), (4 * c, c, c, 1)),
-         "past the KV allocation"),
+        (
+            torch.zeros((NB - 1) * 4 * c + c, dtype=torch.int8).as_strided((NB, 1, 1, c), (4 * c, c, c, 1)),
+            "past the KV allocation",
+        ),
     ):
         with pytest.raises(akv.ConfigError, match=match):
             describe({"model.layers.0.mixer": bad}, [group], content="block")
+
+
+# -- the worker half in vLLM's step thread ------------------------------------------------
+
+
+def test_worker_steps_hand_over_without_waiting_for_akvs_thread() -> None:
+    """vLLM's step thread never waits on akv's thread: with the event loops of a prefill and a
+    decode worker both busy for 3 s, the prefill step's exposure and the decode step's pull are
+    each handed over in well under that; akv then carries them out in order: the pull lands
+    bit-exact and the prefill worker reports the request sent."""
+    import socket
+    import time
+
+    from akv.integrations.vllm.identity import Identity
+    from akv.integrations.vllm.params import ConnectorMeta, ExposeJob, PullJob
+    from akv.integrations.vllm.worker import WorkerHalf
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    options = parse_options({"port": port, "expose_wait": 20.0})
+    prefill = WorkerHalf(Identity(options, "vllm-p", port, 1, BS, "block", True, False), [GROUP], 0, 1)
+    decode = WorkerHalf(Identity(options, "vllm-d", 0, 1, BS, "block", False, True), [GROUP], 0, 1)
+    kv_p = {n: vllm_tensor("LBHNC", HEADS) for n in NAMES}
+    kv_d = {n: vllm_tensor("LBHNC", HEADS) for n in NAMES}
+    for li, t in enumerate(kv_p.values()):
+        for c, view in enumerate(kv_views(t, "block")):
+            for b in (1, 2, 3):
+                for h in range(HEADS):
+                    view[b, h] = torch.tensor([value(li, c, h, tok, b) for tok in range(BS)])[:, None]
+    prefill.start(kv_p)
+    decode.start(kv_d)
+    try:
+
+        async def busy() -> None:
+            time.sleep(3.0)  # akv's loop of that worker does nothing else meanwhile
+
+        for worker in (prefill, decode):
+            assert worker._portal is not None
+            worker._portal.start_task_soon(busy)
+        started = time.monotonic()
+        prefill.after_forward(ConnectorMeta(expose={"r1": ExposeJob(((1, 2, 3),), 11)}))
+        remote = RemoteKV(f"127.0.0.1:{port}", "r1", ((1, 2, 3),), 11, 3 * BS, BS, 60.0)
+        decode.step(ConnectorMeta(pull={"r1": PullJob(remote, ((5, 6, 7),))}))
+        handed = time.monotonic() - started
+        assert handed < 1.5, handed
+        received: set[str] = set()
+        sent: set[str] = set()
+        deadline = time.monotonic() + 60
+        while (not received or not sent) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            _, done, failed = decode.out.take()
+            assert not failed
+            received |= done
+            sent |= prefill.out.take()[0]
+        assert received == {"r1"} and sent == {"r1"}
+        for li, t in enumerate(kv_d.values()):
+            for c, view in enumerate(kv_views(t, "block")):
+                for lb, rb in zip((5, 6, 7), (1, 2, 3), strict=True):
+                    want = torch.tensor(
+                        [[value(li, c, h, tok, rb) for tok in range(BS)] for h in range(HEADS)]
+                    )
+                    assert torch.equal(view[lb, :, :, 0], want), (li, c, lb)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()

@@ -3,7 +3,12 @@
 The rank's [`Producer`][akv.Producer] (prefill) or [`Consumer`][akv.Consumer] (decode), or
 both (``kv_both``), wrap vLLM's own KV tensors (no copy) and live on an anyio event loop in a
 thread of their own; vLLM's step only hands work over and collects outcomes, so it never
-waits on the network. Outcomes cross threads through one lock:
+waits on the network, nor on akv's thread: each step's orders (withdraw, expose, pull) go
+into one queue with a wake-up of the loop that returns at once (`loop.call_soon_threadsafe`,
+not a portal call, which waits until the loop thread ran it), and one task of the loop
+carries them out in order. On CUDA, the step records an event after its forward pass
+instead of synchronizing the device: the request is exposed once that event fired, so no
+reader sees KV the forward pass is still writing. Outcomes cross threads through one lock:
 
 - prefill: each rank's releases (read, pushed, expired) become ``finished_sending``;
 - decode: each pull's end becomes ``finished_recving``, and a failed one also
@@ -13,9 +18,12 @@ waits on the network. Outcomes cross threads through one lock:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -87,6 +95,11 @@ class WorkerHalf:
         self.consumer: Any = None
         self._names = [g.name for g in groups]
         self._device = torch.device("cpu")
+        # the steps' orders, in order, for the loop's `_serve` task (None: stop serving)
+        self._orders: deque[tuple[str, Any, Any, Any] | None] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: anyio.Event | None = None
+        self._serving: Any = None  # the future of `_serve`
 
     # set-up ----------------------------------------------------------------------------
 
@@ -99,6 +112,7 @@ class WorkerHalf:
         o = self.ident.options
         self._portal_cm = start_blocking_portal("asyncio")
         self._portal = self._portal_cm.__enter__()
+        self._loop = self._portal.call(asyncio.get_running_loop)
         common: dict[str, Any] = dict(
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
@@ -140,6 +154,7 @@ class WorkerHalf:
                         **common,
                     )
                 )
+            self._serving = self._portal.start_task_soon(self._serve)
         except BaseException:
             self.shutdown()
             raise
@@ -161,7 +176,10 @@ class WorkerHalf:
         return value
 
     def shutdown(self) -> None:
-        """Close this rank's Producer / Consumer (their pulls fail, exposures close) and the loop."""
+        """Close this rank's Producer / Consumer (their pulls fail, exposures close) and the loop
+        (orders not carried out yet are dropped: the ranks close)."""
+        if self._serving is not None:
+            self._hand_over(None)  # the serving task ends once its pulls did (the ranks close below)
         while self._ranks:
             cm = self._ranks.pop()
             try:
@@ -171,6 +189,7 @@ class WorkerHalf:
         if self._portal_cm is not None:
             self._portal_cm.__exit__(None, None, None)
             self._portal_cm = self._portal = None
+        self._serving = self._loop = None
 
     # each step -------------------------------------------------------------------------
 
@@ -180,21 +199,64 @@ class WorkerHalf:
         return {n: list(g) for n, g in zip(self._names, groups, strict=True)}
 
     def step(self, meta: ConnectorMeta) -> None:
-        """At the start of a step: expose late requests, end withdrawn leases, launch pulls."""
-        if self._portal is None:
+        """At the start of a step: hand over late exposures, withdrawn leases and pulls (returns
+        at once; akv's loop carries them out in order)."""
+        if self._serving is None:
             return
         if self.producer is not None and (meta.expose_late or meta.withdraw):
-            self._portal.call(self._expose_all, meta.expose_late, meta.withdraw)
-        for rid, job in meta.pull.items():
-            self._portal.start_task_soon(self._pull, rid, job)
+            self._hand_over(("expose", None, meta.expose_late, meta.withdraw))
+        if self.consumer is not None and meta.pull:
+            self._hand_over(("pull", None, meta.pull, None))
 
     def after_forward(self, meta: ConnectorMeta) -> None:
-        """After the step's forward pass: expose the requests whose prompt it completed."""
-        if self._portal is None or self.producer is None:
+        """After the step's forward pass: hand over the requests whose prompt it completed, to
+        be exposed once the pass's writes are done (a CUDA event; returns at once)."""
+        if self._serving is None or self.producer is None or not meta.expose:
             return
+        event = None
         if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()  # the KV is written before it is read
-        self._portal.call(self._expose_all, meta.expose, ())
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(self._device))  # the KV is written before it is read
+        self._hand_over(("expose", event, meta.expose, ()))
+
+    def _hand_over(self, order: tuple[str, Any, Any, Any] | None) -> None:
+        """Queue an order and wake the serving task, without waiting for akv's thread."""
+        self._orders.append(order)
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed (shutting down)
+                loop.call_soon_threadsafe(self._woken)
+
+    def _woken(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _serve(self) -> None:
+        """The task of akv's loop that carries out the steps' orders, one after the other (a
+        withdrawal never overtakes the exposure it ends); pulls run as tasks of their own."""
+        async with anyio.create_task_group() as tg:
+            while True:
+                self._wake = wake = anyio.Event()
+                if not self._orders:
+                    await wake.wait()
+                while self._orders:
+                    order = self._orders.popleft()
+                    if order is None:
+                        return
+                    kind, event, jobs, withdraw = order
+                    if kind == "pull":
+                        for rid, job in jobs.items():
+                            tg.start_soon(self._pull, rid, job)
+                        continue
+                    # the forward pass may still write: a CUDA event has nothing to await
+                    while event is not None and not event.query():  # noqa: ASYNC110
+                        await anyio.sleep(0.0001)
+                    try:
+                        self._expose_all(jobs, withdraw)
+                    except Exception:  # never strand the blocks, never stop serving the next steps
+                        log.exception("akv: exposing requests %s failed: their blocks are freed", list(jobs))
+                        with self.out.lock:
+                            self.out.sent.update(jobs)
 
     def _expose_all(self, jobs: Mapping[str, ExposeJob], withdraw: Iterable[str]) -> None:
         for rid in withdraw:
