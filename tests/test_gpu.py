@@ -123,3 +123,15 @@ async def test_vram_reads_across_processes(pspec: Any, p: int, d: int, dspec: An
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+async def test_vllm_worker_half_on_cuda_tensors() -> None:
+    """The vLLM connector's worker half on CUDA tensors shaped as vLLM's CUDA backends shape
+    them (tokens before heads, K then V per token): a step's exposure (after a CUDA event, no
+    device synchronize) and pull are handed over without waiting for akv's threads, and the
+    pull lands bit-exact (`tests/test_vllm_layout.py::worker_hand_over`)."""
+    import anyio
+
+    from tests.test_vllm_layout import worker_hand_over
+
+    await anyio.to_thread.run_sync(worker_hand_over, "cuda", "token", "LBNHC")

@@ -509,6 +509,12 @@ def test_worker_steps_hand_over_without_waiting_for_akvs_thread() -> None:
     decode worker both busy for 3 s, the prefill step's exposure and the decode step's pull are
     each handed over in well under that; akv then carries them out in order: the pull lands
     bit-exact and the prefill worker reports the request sent."""
+    worker_hand_over("cpu", "block", "LBHNC")
+
+
+def worker_hand_over(device: str, content: Content, layout: str) -> None:
+    """The test above on ``device`` with vLLM's ``content`` and ``layout`` (test_gpu.py runs it
+    on CUDA tensors shaped as vLLM's CUDA backends shape them)."""
     import socket
     import time
 
@@ -520,15 +526,17 @@ def test_worker_steps_hand_over_without_waiting_for_akvs_thread() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     options = parse_options({"port": port, "expose_wait": 20.0})
-    prefill = WorkerHalf(Identity(options, "vllm-p", port, 1, BS, "block", True, False), [GROUP], 0, 1)
-    decode = WorkerHalf(Identity(options, "vllm-d", 0, 1, BS, "block", False, True), [GROUP], 0, 1)
-    kv_p = {n: vllm_tensor("LBHNC", HEADS) for n in NAMES}
-    kv_d = {n: vllm_tensor("LBHNC", HEADS) for n in NAMES}
+    prefill = WorkerHalf(Identity(options, "vllm-p", port, 1, BS, content, True, False), [GROUP], 0, 1)
+    decode = WorkerHalf(Identity(options, "vllm-d", 0, 1, BS, content, False, True), [GROUP], 0, 1)
+    kv_p = {n: vllm_tensor(layout, HEADS).to(device) for n in NAMES}
+    kv_d = {n: vllm_tensor(layout, HEADS).to(device) for n in NAMES}
     for li, t in enumerate(kv_p.values()):
-        for c, view in enumerate(kv_views(t, "block")):
+        for c, view in enumerate(kv_views(t, content)):
             for b in (1, 2, 3):
                 for h in range(HEADS):
-                    view[b, h] = torch.tensor([value(li, c, h, tok, b) for tok in range(BS)])[:, None]
+                    view[b, h] = torch.tensor([value(li, c, h, tok, b) for tok in range(BS)])[:, None].to(
+                        device
+                    )
     prefill.start(kv_p)
     decode.start(kv_d)
     try:
@@ -556,12 +564,12 @@ def test_worker_steps_hand_over_without_waiting_for_akvs_thread() -> None:
             sent |= prefill.out.take()[0]
         assert received == {"r1"} and sent == {"r1"}
         for li, t in enumerate(kv_d.values()):
-            for c, view in enumerate(kv_views(t, "block")):
+            for c, view in enumerate(kv_views(t, content)):
                 for lb, rb in zip((5, 6, 7), (1, 2, 3), strict=True):
                     want = torch.tensor(
                         [[value(li, c, h, tok, rb) for tok in range(BS)] for h in range(HEADS)]
                     )
-                    assert torch.equal(view[lb, :, :, 0], want), (li, c, lb)
+                    assert torch.equal(view[lb, :, :, 0].cpu(), want), (li, c, lb)
     finally:
         decode.shutdown()
         prefill.shutdown()
