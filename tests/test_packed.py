@@ -507,3 +507,36 @@ def test_the_numpy_and_torch_scatters_write_the_same_bytes(spec: Any, partial: b
     for a, b in zip(caches["numpy"], caches["torch"], strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bytes: random ones make NaNs
     assert any(bool(t.view(torch.uint8).any()) for t in caches["numpy"])
+
+
+def test_auto_weighs_descriptors_by_the_memory_they_move() -> None:
+    """``transfer="auto"`` on device memory reads packed where 64 descriptors of 64 KiB would
+    cost more than the packed copy's scatter (~6 us a descriptor there), and on DRAM reads
+    such a request directly (its runs move faster than a second copy); with fewer than the
+    device threshold's descriptors, or runs above its mean, it reads directly on both."""
+    from types import SimpleNamespace
+
+    from akv.runtime.paths.packed import (
+        AUTO_DESCRIPTORS,
+        AUTO_RUN_BYTES,
+        DEVICE_AUTO_DESCRIPTORS,
+        DEVICE_AUTO_RUN_BYTES,
+        use_packed,
+    )
+
+    def prepared(descriptors: int, run: int) -> Any:
+        post = (SimpleNamespace(remote_rank=0), None, None)
+        return SimpleNamespace(posts=(post,), bytes=descriptors * run, descriptors=descriptors)
+
+    packs: Any = {0: SimpleNamespace(early=False)}
+    device = (DEVICE_AUTO_DESCRIPTORS, DEVICE_AUTO_RUN_BYTES)
+    dram = (AUTO_DESCRIPTORS, AUTO_RUN_BYTES)
+    assert use_packed("auto", prepared(64, 64 << 10), packs, *device)
+    assert not use_packed("auto", prepared(64, 64 << 10), packs, *dram)
+    assert not use_packed("auto", prepared(16, 64 << 10), packs, *device)
+    assert not use_packed("auto", prepared(64, 4 << 20), packs, *device)
+    assert use_packed("auto", prepared(1024, 1024), packs, *dram)
+    assert not use_packed("auto", prepared(64, 64 << 10), {0: None}, *device)  # the rank keeps no packed copy
+    spec = make_spec(kv_heads=4)
+    consumer = akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1)
+    assert (consumer.pack_threshold, consumer.pack_run_bytes) == dram  # DRAM: the measured defaults

@@ -32,7 +32,13 @@ from akv.plan import RankMemory
 from akv.protocol.address import Endpoint, EngineAddress, check_engine_id, parse_engine_address
 from akv.protocol.handshake import resolve_secret
 from akv.runtime.packer import check_transfer
-from akv.runtime.paths.packed import AUTO_DESCRIPTORS, StagingPool
+from akv.runtime.paths.packed import (
+    AUTO_DESCRIPTORS,
+    AUTO_RUN_BYTES,
+    DEVICE_AUTO_DESCRIPTORS,
+    DEVICE_AUTO_RUN_BYTES,
+    StagingPool,
+)
 from akv.runtime.paths.read import CheckPool
 from akv.runtime.poller import PullPoller
 from akv.runtime.rank import RankBase, default_engine_id
@@ -131,8 +137,10 @@ class Consumer(RankBase):
         pack_staging_bytes: the registered staging area packed reads land in (a pull that
             finds it full reads directly, or fails with
             [`BackPressureError`][akv.errors.BackPressureError] when it cannot).
-        pack_threshold: ``transfer="auto"``'s descriptor count (default: measured, see
-            docs/performance.md#packed-transfers).
+        pack_threshold: ``transfer="auto"``'s descriptor count (default: 512 on DRAM,
+            measured, see docs/performance.md#packed-transfers; 32 on device memory, where a
+            descriptor costs ~6 us and packed runs also when runs average up to 1 MiB, not
+            only below 2 KiB: docs/gpu.md).
     """
 
     _role = "d"
@@ -166,7 +174,7 @@ class Consumer(RankBase):
         stop_grace_s: float = 5.0,
         transfer: str = "auto",
         pack_staging_bytes: int = 64 << 20,
-        pack_threshold: int = AUTO_DESCRIPTORS,
+        pack_threshold: int | None = None,
     ) -> None:
         super().__init__(
             kv_caches,
@@ -219,9 +227,13 @@ class Consumer(RankBase):
                 "transfer='packed' picks which copy a pull reads; push mode writes into the paged "
                 "blocks: use mode='pull' with it, or transfer='auto' / 'direct'"
             )
+        on_device = self.mem_type != "DRAM"
+        if pack_threshold is None:
+            pack_threshold = DEVICE_AUTO_DESCRIPTORS if on_device else AUTO_DESCRIPTORS
         if pack_threshold < 0:
             raise ConfigError(f"pack_threshold must be >= 0, got {pack_threshold}")
         self.pack_threshold = pack_threshold
+        self.pack_run_bytes = DEVICE_AUTO_RUN_BYTES if on_device else AUTO_RUN_BYTES
         if pack_staging_bytes < 256:
             raise ConfigError(f"pack_staging_bytes must be >= 256, got {pack_staging_bytes}")
         self.pack_staging_bytes = pack_staging_bytes

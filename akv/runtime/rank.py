@@ -242,6 +242,9 @@ class DecodeRank(Protocol):
     def pack_threshold(self) -> int: ...
 
     @property
+    def pack_run_bytes(self) -> int: ...
+
+    @property
     def memory(self) -> RankMemory: ...
 
     @property

@@ -241,7 +241,7 @@ class TransferSession:
         packs = {
             r: link.info.pack if link.directory is not None else None for r, link in self.remote.links.items()
         }
-        return packed.use_packed(c.transfer, prepared, packs, c.pack_threshold) and (
+        return packed.use_packed(c.transfer, prepared, packs, c.pack_threshold, c.pack_run_bytes) and (
             copier is None or c.transfer == "packed" or any(p and p.early for p in packs.values())
         )
 

@@ -21,12 +21,22 @@ tokens. Per connector and prompt length it prints the median of:
 then, with ``--concurrency N``, N requests of the middle length at once (each round), and the
 idle CPU of each instance (percent of one core over ``--idle-s`` seconds, after start-up). Figures go to stdout, one JSON
 document to ``--json``.
+
+``--loaded N`` measures under load instead: the pairs of ``akv`` and ``nixl-tuned`` run at
+once (both prefills on core 0, both decodes on core 1), and each measured request goes
+through one pair while N other streams decode on that pair's decode instance (fresh short
+prompts, long outputs). Every prompt goes through both pairs, in alternating order, so the
+figures pair up per prompt: besides the medians of ``ttft_ms`` and ``decode_ttft_ms``, the
+measured request's inter-token latency (``itl_ms``: median gap between its streamed tokens)
+and the load streams' (``load_itl_ms``, while the request transferred and decoded), then
+the medians of the per-prompt ratios akv / nixl-tuned (``paired``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -98,6 +108,7 @@ async def one(client: httpx.AsyncClient, pair: Pair, model: str, tokens: list[in
     t1 = time.perf_counter()
     first = None
     out: list[int] = []
+    stamps: list[float] = []
     req = dict(body, max_tokens=max_tokens, stream=True, kv_transfer_params=params)
     async with client.stream("POST", pair.decode.url + "/v1/completions", json=req) as r:
         r.raise_for_status()
@@ -108,17 +119,77 @@ async def one(client: httpx.AsyncClient, pair: Pair, model: str, tokens: list[in
             if "choices" not in chunk:
                 raise RuntimeError(f"decode ({pair.connector}) answered {chunk}")
             ids = chunk["choices"][0].get("token_ids") or []
-            if ids and first is None:
-                first = time.perf_counter()
+            if ids:
+                stamps.append(time.perf_counter())
+                if first is None:
+                    first = stamps[-1]
             out.extend(ids)
     end = time.perf_counter()
     first = first or end
+    gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
     return {
         "ttft_ms": (first - t0) * 1e3,
         "decode_ttft_ms": (first - t1) * 1e3,
         "tok_s": (len(out) - 1) / (end - first) if len(out) > 1 and end > first else 0.0,
+        "itl_ms": statistics.median(gaps) if gaps else float("nan"),
         "tokens": out,
     }
+
+
+async def load_stream(client: httpx.AsyncClient, inst: Instance, model: str, tokens: list[int],
+                      max_tokens: int, stop: asyncio.Event, gaps: list[float]) -> None:
+    """One decoding stream on ``inst`` (its own prompt, computed there): the gaps between its
+    tokens go into ``gaps`` until ``stop`` is set, when the stream is dropped (vLLM aborts it)."""
+    body = {"model": model, "prompt": tokens, "temperature": 0, "ignore_eos": True, "max_tokens": max_tokens,
+            "stream": True, "cache_salt": f"load-{random.random()}"}
+    last = None
+    async with client.stream("POST", inst.url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if stop.is_set():
+                return
+            if line.startswith("data: ") and line != "data: [DONE]":
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append((now - last) * 1e3)
+                last = now
+
+
+async def measure_loaded(pairs: dict[str, Pair], model: str, args: argparse.Namespace,
+                         prompts: list[list[int]], rng: random.Random) -> dict[str, Any]:
+    """Each prompt through every pair (alternating order) while ``args.loaded`` streams decode
+    on that pair's decode instance; per-connector medians and per-prompt ratios."""
+    rows: dict[str, dict[str, list[float]]] = {c: {} for c in pairs}
+    async with httpx.AsyncClient(timeout=600) as client:
+        for pair in pairs.values():
+            await one(client, pair, model, [rng.randrange(1, 250) for _ in range(64)], 2)  # handshakes
+        for i, tokens in enumerate(prompts):
+            order = list(pairs) if i % 2 == 0 else list(reversed(pairs))
+            for conn in order:
+                pair = pairs[conn]
+                want, _ = await colocated(client, pair.prefill, model, tokens, args.max_tokens)
+                stop, gaps = asyncio.Event(), []
+                load = [asyncio.create_task(load_stream(client, pair.decode, model,
+                                                        [rng.randrange(1, 250) for _ in range(32)],
+                                                        args.load_tokens, stop, gaps))
+                        for _ in range(args.loaded)]
+                await asyncio.sleep(0.5)  # the load streams are decoding
+                gaps.clear()
+                got = await one(client, pair, model, tokens, args.max_tokens)
+                stop.set()
+                await asyncio.gather(*load)
+                row = rows[conn]
+                for k in ("ttft_ms", "decode_ttft_ms", "itl_ms"):
+                    row.setdefault(k, []).append(got[k])
+                row.setdefault("load_itl_ms", []).append(statistics.median(gaps) if gaps else float("nan"))
+                row.setdefault("equal", []).append(float(got["tokens"] == want))
+            print(f"loaded: prompt {i + 1}/{len(prompts)} ({len(tokens)} tokens) done", flush=True)
+    out: dict[str, Any] = {c: summarize({"loaded": rows[c]})["loaded"] for c in pairs}
+    if "akv" in rows and "nixl-tuned" in rows:
+        a, b = rows["akv"], rows["nixl-tuned"]
+        out["paired"] = {k: med([x / y for x, y in zip(a[k], b[k], strict=True) if y > 0])
+                         for k in ("ttft_ms", "decode_ttft_ms", "itl_ms", "load_itl_ms")}
+    return out
 
 
 async def colocated(client: httpx.AsyncClient, inst: Instance, model: str, tokens: list[int], max_tokens: int) -> tuple[list[int], float]:
@@ -221,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logs", type=Path, help="keep the instances' logs in this directory")
+    ap.add_argument("--loaded", type=int, default=0, metavar="N",
+                    help="measure under load: both pairs at once, N streams decoding beside each request (0: off)")
+    ap.add_argument("--load-tokens", type=int, default=512, help="output tokens of each load stream")
     args = ap.parse_args(argv)
     try:
         args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -235,7 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: --connectors {args.connectors!r} / --reps {args.reps}: use akv, nixl-tuned, nixl; 1 <= rounds <= reps",
               file=sys.stderr)
         return 64
+    if args.loaded < 0 or (args.loaded and sorted(connectors) != ["akv", "nixl-tuned"]):
+        print(f"bench: --loaded {args.loaded} --connectors {args.connectors!r}: --loaded N >= 0 runs with "
+              "--connectors akv,nixl-tuned", file=sys.stderr)
+        return 64
     args.vllm_args = ["-O0"] if args.fast else []
+    if args.loaded:
+        return run_loaded(args, connectors)
     with tempfile.TemporaryDirectory(prefix="akv-vllm-bench-") as tmp:
         model = args.model or str(Path(tmp) / "model")
         if args.model is None:
@@ -283,6 +363,36 @@ def main(argv: list[str] | None = None) -> int:
             a, b = res["akv"][n], res["nixl-tuned"][n]
             print(f"ratio akv / nixl-tuned at {n} tokens: ttft {a['ttft_ms'] / b['ttft_ms']:.2f}, "
                   f"decode_ttft {a['decode_ttft_ms'] / b['decode_ttft_ms']:.2f}", flush=True)
+    return 0
+
+
+def run_loaded(args: argparse.Namespace, connectors: list[str]) -> int:
+    """``--loaded N``: both pairs at once, every prompt through each under load (see the module)."""
+    with tempfile.TemporaryDirectory(prefix="akv-vllm-bench-") as tmp:
+        model = args.model or str(Path(tmp) / "model")
+        if args.model is None:
+            subprocess.run([sys.executable, str(HERE / "tiny_model.py"), model], check=True, capture_output=True)
+        logs = args.logs or Path(tmp) / "logs"
+        rng = random.Random(args.seed)
+        prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in args.lengths for _ in range(args.reps)]
+        rng.shuffle(prompts)
+        print(f"loaded: {' and '.join(connectors)} pairs at once (prefills on core 0, decodes on core 1), "
+              f"{args.loaded} load streams per request", flush=True)
+        pairs: dict[str, Pair] = {}
+        try:
+            for conn in connectors:
+                pairs[conn] = start_pair(conn, model, logs, args)
+            figures = {"model": "tiny llama (4 layers, hidden 256, 4 KV heads)" if args.model is None else model,
+                       "args": {k: v for k, v in vars(args).items() if k not in ("json", "logs")},
+                       "loaded": asyncio.run(measure_loaded(pairs, model, args, prompts, rng))}
+        finally:
+            for pair in pairs.values():
+                pair.prefill.stop()
+                pair.decode.stop()
+    for key, summary in figures["loaded"].items():
+        print(f"{key:>10} under load: " + "  ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2, default=str))
     return 0
 
 

@@ -110,6 +110,7 @@ class WorkerHalf:
         spec, regions = describe(kv_caches, self.groups, content=self.ident.content)
         self._device = regions[0].device
         o = self.ident.options
+        transfer = o.transfer or ("auto" if self._device.type == "cuda" else "direct")
         self._portal_cm = start_blocking_portal("asyncio")
         self._portal = self._portal_cm.__enter__()
         self._loop = self._portal.call(asyncio.get_running_loop)
@@ -135,7 +136,7 @@ class WorkerHalf:
                         allow_insecure=o.allow_insecure,
                         bootstrap=None if first or o.etcd else self.ident.bootstrap,
                         etcd=o.etcd,
-                        transfer=o.transfer,
+                        transfer=transfer,
                         pack_pool_bytes=o.pack_pool_bytes,
                         **common,
                     )
@@ -146,7 +147,7 @@ class WorkerHalf:
                         regions,
                         spec,
                         mode=o.mode,
-                        transfer=o.transfer,
+                        transfer=transfer,
                         transfer_timeout=o.transfer_timeout,
                         connect_timeout=o.connect_timeout,
                         handshake_timeout=o.handshake_timeout,

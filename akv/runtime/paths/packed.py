@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTO_DESCRIPTORS",
     "AUTO_RUN_BYTES",
+    "DEVICE_AUTO_DESCRIPTORS",
+    "DEVICE_AUTO_RUN_BYTES",
     "DescPost",
     "PackedLink",
     "PackedRead",
@@ -67,6 +69,12 @@ __all__ = [
 AUTO_DESCRIPTORS = 512
 #: ... and the mean run below which descriptors cost more than the packed copy's scatter.
 AUTO_RUN_BYTES = 2048
+#: The same two for device memory (VRAM): a descriptor costs ~6 us on the CUDA-IPC path
+#: (docs/gpu.md, one H100), so 32 of them cost more than the directory READ and one scatter
+#: kernel, and a run moves at the device's speed through that kernel up to about 1 MiB
+#: (derived from the per-descriptor cost, not a crossing measured on the device).
+DEVICE_AUTO_DESCRIPTORS = 32
+DEVICE_AUTO_RUN_BYTES = 1 << 20
 
 #: DRAM pulls of at least this many bytes are scattered in the staging pool's worker thread
 #: while other packed pulls are in flight (alone, a pull scatters on the poller's thread: the
@@ -158,12 +166,18 @@ def directory_check(backend: Backend, agent: str, pack: PackInfo) -> RankCheck:
 
 
 def use_packed(
-    transfer: str, prepared: Prepared, packs: Mapping[int, PackInfo | None], threshold: int
+    transfer: str,
+    prepared: Prepared,
+    packs: Mapping[int, PackInfo | None],
+    threshold: int,
+    run_bytes: int = AUTO_RUN_BYTES,
 ) -> bool:
     """Whether a prepared pull reads packed copies: always for ``"packed"``, never for
     ``"direct"``; ``"auto"``: when every rank read from packs and either one of them released
     its blocks after packing or the direct read would post more than ``threshold``
-    descriptors of fewer than `AUTO_RUN_BYTES` bytes on average."""
+    descriptors of fewer than ``run_bytes`` bytes on average (`AUTO_DESCRIPTORS` and
+    `AUTO_RUN_BYTES` on DRAM, `DEVICE_AUTO_DESCRIPTORS` and `DEVICE_AUTO_RUN_BYTES` on
+    device memory)."""
     ranks = {op.remote_rank for op, _, _ in prepared.posts}
     if not ranks or transfer == "direct":
         return False
@@ -174,7 +188,7 @@ def use_packed(
         return False
     if any(i.early for i in infos if i is not None):
         return True
-    small = prepared.bytes < AUTO_RUN_BYTES * prepared.descriptors
+    small = prepared.bytes < run_bytes * prepared.descriptors
     return small and prepared.descriptors > threshold
 
 
