@@ -8,7 +8,8 @@
 # --json` in pull mode, on the large workloads, in push and in packed mode, each step bounded so the
 # whole run ends within 8 minutes, and writes at most 8 files into OUTDIR: env.json,
 # test_gpu.json, pull.json, large.json, push.json, packed.json (a step's bench JSON, or its exit
-# code and stderr tail if it failed) and summary.md (one table). Without a usable CUDA device it
+# code and stderr tail if it failed), ucx_protocols.txt (the protocols UCX chose for one pull,
+# printed under UCX_PROTO_INFO=y) and summary.md (one table). Without a usable CUDA device it
 # exits 64 at once, with one line, having installed and written nothing.
 #
 # AKV_PYTHON: the interpreter (default python3). AKV_GPU_CHECK_BUDGET: seconds for the whole
@@ -130,6 +131,10 @@ names() {
     "$py" -c "from akv.bench.workloads import WORKLOADS; print(','.join(w.name for w in WORKLOADS if $1))"
 }
 bench=("$py" -m akv bench --quick --device cuda --json)
+# 4a. Which transports UCX picks for a pull's reads of VRAM (the data) and of host memory (the
+# exposure check, the packed directory): a read of host memory over tcp needs the prefill's
+# poller to progress, a round trip through a sleeping poller on every pull.
+UCX_PROTO_INFO=y step ucx 40 "${bench[@]}" --only latency
 step pull 130 "${bench[@]}" --only "$(names "not w.name.startswith('large')"),same_process"
 step large 60 "${bench[@]}" --only "$(names "w.name.startswith('large')")"
 step push 80 "${bench[@]}" --mode push \
@@ -155,6 +160,25 @@ def tail(path, n=30):
 rows, notes = [], []
 for name, rc, seconds in steps:
     if name == "install":
+        continue
+    if name == "ucx":  # the protocol tables only: UCX prints them as lines of a table
+        import re
+        text = tail(f"{log}/ucx.out", 10**6) + tail(f"{log}/ucx.err", 10**6)
+        table = [ln for ln in text.splitlines() if re.match(r"^\[[\d.]+\] \[[^\]]+\]\s+[|+]", ln.strip())]
+        with open(f"{out}/ucx_protocols.txt", "w") as f:
+            f.write("\n".join(table[:2000]) + "\n")
+        tables = {}  # one table per time stamp: its cells, line by line
+        for ln in table:
+            stamp, _, body = ln.strip().partition("]")
+            tables.setdefault(stamp, []).append([c.strip() for c in body.split("]", 1)[-1].strip().strip("|+").split("|")])
+        reads = set()
+        for cells in tables.values():
+            what = next((c[0] for c in cells if len(c) == 1 and c[0].startswith("remote memory read")), None)
+            if what:
+                where = what.split(" into ", 1)[-1]
+                transports = sorted({c[2] for c in cells if len(c) >= 3 and c[0] != "Range" and "/" in c[2]})
+                reads.add(f"{where}: {' '.join(transports)}")
+        notes.append(f"- ucx: exit {rc}, {len(table)} protocol table lines (ucx_protocols.txt); remote reads: {'; '.join(sorted(reads)) or 'none found'}")
         continue
     text = tail(f"{log}/{name}.out", 10**6).strip()
     if name == "test_gpu":
