@@ -29,7 +29,11 @@ prompts, long outputs). Every prompt goes through both pairs, in alternating ord
 figures pair up per prompt: besides the medians of ``ttft_ms`` and ``decode_ttft_ms``, the
 measured request's inter-token latency (``itl_ms``: median gap between its streamed tokens)
 and the load streams' (``load_itl_ms``, while the request transferred and decoded), then
-the medians of the per-prompt ratios akv / nixl-tuned (``paired``).
+the medians of the per-prompt ratios akv / nixl-tuned (``paired``), and what akv's own
+threads (named ``akv-N`` by the connector) cost: CPU and wake-ups per second while nothing is
+in flight (over ``--idle-s``), and CPU milliseconds and wake-ups per request under load
+(``akv_threads``; the load streams are computed by the decode instance itself and give akv
+no work).
 """
 
 from __future__ import annotations
@@ -78,6 +82,31 @@ def cpu_seconds(pid: int) -> float:
             continue
         todo.extend(int(c) for c in children)
     return total
+
+
+def akv_threads(pid: int) -> tuple[float, int]:
+    """CPU seconds and voluntary context switches (wake-ups) of akv's threads (named ``akv-N``
+    by the connector's worker half) in a process and its descendants."""
+    cpu, wakeups = 0.0, 0
+    tick = os.sysconf("SC_CLK_TCK")
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                task = Path(f"/proc/{p}/task/{tid}")
+                if not task.joinpath("comm").read_text().startswith("akv-"):
+                    continue
+                fields = task.joinpath("stat").read_text().rsplit(")", 1)[1].split()
+                cpu += (int(fields[11]) + int(fields[12])) / tick
+                for line in task.joinpath("status").read_text().splitlines():
+                    if line.startswith("voluntary_ctxt_switches"):
+                        wakeups += int(line.split()[1])
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        todo.extend(int(c) for c in children)
+    return cpu, wakeups
 
 
 async def histogram(client: httpx.AsyncClient, inst: Instance, name: str) -> tuple[float, float]:
@@ -160,9 +189,20 @@ async def measure_loaded(pairs: dict[str, Pair], model: str, args: argparse.Name
     """Each prompt through every pair (alternating order) while ``args.loaded`` streams decode
     on that pair's decode instance; per-connector medians and per-prompt ratios."""
     rows: dict[str, dict[str, list[float]]] = {c: {} for c in pairs}
+    threads: dict[str, Any] = {}
     async with httpx.AsyncClient(timeout=600) as client:
         for pair in pairs.values():
             await one(client, pair, model, [rng.randrange(1, 250) for _ in range(64)], 2)  # handshakes
+        if "akv" in pairs:  # akv's threads while nothing is in flight: CPU and wake-ups per second
+            insts = {"prefill": pairs["akv"].prefill, "decode": pairs["akv"].decode}
+            await asyncio.sleep(1.0)
+            before = {role: akv_threads(i.proc.pid) for role, i in insts.items()}
+            await asyncio.sleep(args.idle_s)
+            for role, i in insts.items():
+                cpu, wake = akv_threads(i.proc.pid)
+                threads[f"{role}_idle_cpu_pct"] = round((cpu - before[role][0]) / args.idle_s * 100, 2)
+                threads[f"{role}_idle_wakeups_per_s"] = round((wake - before[role][1]) / args.idle_s, 1)
+            loaded_from = {role: akv_threads(i.proc.pid) for role, i in insts.items()}
         for i, tokens in enumerate(prompts):
             order = list(pairs) if i % 2 == 0 else list(reversed(pairs))
             for conn in order:
@@ -184,7 +224,14 @@ async def measure_loaded(pairs: dict[str, Pair], model: str, args: argparse.Name
                 row.setdefault("load_itl_ms", []).append(statistics.median(gaps) if gaps else float("nan"))
                 row.setdefault("equal", []).append(float(got["tokens"] == want))
             print(f"loaded: prompt {i + 1}/{len(prompts)} ({len(tokens)} tokens) done", flush=True)
+        if "akv" in pairs:  # akv's threads over the loaded phase, per request through the akv pair
+            for role, i in insts.items():
+                cpu, wake = akv_threads(i.proc.pid)
+                threads[f"{role}_cpu_ms_per_request"] = round((cpu - loaded_from[role][0]) * 1e3 / len(prompts), 2)
+                threads[f"{role}_wakeups_per_request"] = round((wake - loaded_from[role][1]) / len(prompts), 1)
     out: dict[str, Any] = {c: summarize({"loaded": rows[c]})["loaded"] for c in pairs}
+    if threads:
+        out["akv_threads"] = threads
     if "akv" in rows and "nixl-tuned" in rows:
         a, b = rows["akv"], rows["nixl-tuned"]
         out["paired"] = {k: med([x / y for x, y in zip(a[k], b[k], strict=True) if y > 0])

@@ -74,6 +74,18 @@ class Outcomes:
         return data
 
 
+def _name_thread(name: str) -> None:
+    """Name the calling OS thread (Linux: ``/proc/PID/task/TID/comm``), so that tools such as
+    ``top -H`` and ``examples/vllm/bench.py --loaded`` tell akv's thread from vLLM's."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: nothing to name
+        pass
+
+
 class WorkerHalf:
     """One TP rank's akv side (see the module text).
 
@@ -114,6 +126,7 @@ class WorkerHalf:
         self._portal_cm = start_blocking_portal("asyncio")
         self._portal = self._portal_cm.__enter__()
         self._loop = self._portal.call(asyncio.get_running_loop)
+        self._portal.call(_name_thread, f"akv-{self.tp_rank}")  # its CPU time is findable in /proc
         common: dict[str, Any] = dict(
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
