@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
 import socket
@@ -93,18 +94,21 @@ def akv_threads(pid: int) -> tuple[float, int]:
     while todo:
         p = todo.pop()
         try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                task = Path(f"/proc/{p}/task/{tid}")
+            tids = os.listdir(f"/proc/{p}/task")
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for tid in tids:
+            task = Path(f"/proc/{p}/task/{tid}")
+            try:  # a thread may end between the listing and the reads
                 if not task.joinpath("comm").read_text().startswith("akv-"):
                     continue
                 fields = task.joinpath("stat").read_text().rsplit(")", 1)[1].split()
-                cpu += (int(fields[11]) + int(fields[12])) / tick
-                for line in task.joinpath("status").read_text().splitlines():
-                    if line.startswith("voluntary_ctxt_switches"):
-                        wakeups += int(line.split()[1])
-            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
+                status = task.joinpath("status").read_text().splitlines()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            cpu += (int(fields[11]) + int(fields[12])) / tick
+            wakeups += sum(int(ln.split()[1]) for ln in status if ln.startswith("voluntary_ctxt_switches"))
         todo.extend(int(c) for c in children)
     return cpu, wakeups
 
@@ -234,7 +238,7 @@ async def measure_loaded(pairs: dict[str, Pair], model: str, args: argparse.Name
         out["akv_threads"] = threads
     if "akv" in rows and "nixl-tuned" in rows:
         a, b = rows["akv"], rows["nixl-tuned"]
-        out["paired"] = {k: med([x / y for x, y in zip(a[k], b[k], strict=True) if y > 0])
+        out["paired"] = {k: med([x / y for x, y in zip(a[k], b[k], strict=True) if y > 0 and not math.isnan(x)])
                          for k in ("ttft_ms", "decode_ttft_ms", "itl_ms", "load_itl_ms")}
     return out
 
@@ -257,6 +261,7 @@ async def colocated(client: httpx.AsyncClient, inst: Instance, model: str, token
 
 
 def med(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]  # a stream of one token has no gap
     return round(statistics.median(xs), 2) if xs else float("nan")
 
 

@@ -46,7 +46,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         settle_timeout: decode side: how long a timed-out pull's reads may take to stop.
         expose_wait: decode side: seconds a pull retries while its request is not yet exposed
             (the prefill workers expose a finished request one engine step after its
-            response left).
+            response left, and any request only once their akv thread took the step's order).
         pack_pool_bytes: prefill side with ``transfer`` packed or auto: the staging pool.
     """
 

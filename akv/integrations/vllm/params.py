@@ -112,8 +112,10 @@ class ConnectorMeta:
     """One step's orders from the scheduler to every worker (keyed by vLLM request id).
 
     Attributes:
-        expose: requests whose prompt this step's forward pass completes: exposed once it ran
-            (before the step's output, so before the response naming them leaves).
+        expose: requests whose prompt this step's forward pass completes: handed to akv's
+            thread after the pass (on CUDA with an event it records), which exposes them as soon
+            as it takes them, usually before the response naming them reaches a decode instance
+            (a pull arriving first retries for ``expose_wait``).
         expose_late: requests that finished earlier without being exposed in their last step
             (more than one output token): exposed when the step starts.
         withdraw: exposed requests that did not finish normally (aborted): their lease ends

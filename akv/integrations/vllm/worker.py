@@ -86,6 +86,12 @@ def _name_thread(name: str) -> None:
         pass
 
 
+def _served(future: Any) -> None:
+    """The serving task ended: say so if it failed (the steps' orders would wait forever)."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("akv: the worker's serving task failed: %r", future.exception())
+
+
 class WorkerHalf:
     """One TP rank's akv side (see the module text).
 
@@ -107,8 +113,11 @@ class WorkerHalf:
         self.consumer: Any = None
         self._names = [g.name for g in groups]
         self._device = torch.device("cpu")
-        # the steps' orders, in order, for the loop's `_serve` task (None: stop serving)
-        self._orders: deque[tuple[str, Any, Any, Any] | None] = deque()
+        # the steps' orders for the loop's `_serve` task: exposures and withdrawals (in order:
+        # the forward pass's CUDA event or None, exposures, withdrawals), pulls
+        self._orders: deque[tuple[Any, Mapping[str, ExposeJob], Iterable[str]]] = deque()
+        self._pulls: deque[Mapping[str, PullJob]] = deque()
+        self._stop = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: anyio.Event | None = None
         self._serving: Any = None  # the future of `_serve`
@@ -127,6 +136,8 @@ class WorkerHalf:
         self._portal = self._portal_cm.__enter__()
         self._loop = self._portal.call(asyncio.get_running_loop)
         self._portal.call(_name_thread, f"akv-{self.tp_rank}")  # its CPU time is findable in /proc
+        if self._device.type == "cuda":  # events and kernels of akv's thread on this rank's device
+            self._portal.call(torch.cuda.set_device, self._device)
         common: dict[str, Any] = dict(
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
@@ -169,6 +180,7 @@ class WorkerHalf:
                     )
                 )
             self._serving = self._portal.start_task_soon(self._serve)
+            self._serving.add_done_callback(_served)
         except BaseException:
             self.shutdown()
             raise
@@ -193,7 +205,8 @@ class WorkerHalf:
         """Close this rank's Producer / Consumer (their pulls fail, exposures close) and the loop
         (orders not carried out yet are dropped: the ranks close)."""
         if self._serving is not None:
-            self._hand_over(None)  # the serving task ends once its pulls did (the ranks close below)
+            self._stop = True  # the serving task ends once its pulls did (the ranks close below)
+            self._wake_loop()
         while self._ranks:
             cm = self._ranks.pop()
             try:
@@ -218,9 +231,11 @@ class WorkerHalf:
         if self._serving is None:
             return
         if self.producer is not None and (meta.expose_late or meta.withdraw):
-            self._hand_over(("expose", None, meta.expose_late, meta.withdraw))
+            self._orders.append((None, meta.expose_late, meta.withdraw))
+            self._wake_loop()
         if self.consumer is not None and meta.pull:
-            self._hand_over(("pull", None, meta.pull, None))
+            self._pulls.append(meta.pull)
+            self._wake_loop()
 
     def after_forward(self, meta: ConnectorMeta) -> None:
         """After the step's forward pass: hand over the requests whose prompt it completed, to
@@ -231,11 +246,11 @@ class WorkerHalf:
         if self._device.type == "cuda":
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self._device))  # the KV is written before it is read
-        self._hand_over(("expose", event, meta.expose, ()))
+        self._orders.append((event, meta.expose, ()))
+        self._wake_loop()
 
-    def _hand_over(self, order: tuple[str, Any, Any, Any] | None) -> None:
-        """Queue an order and wake the serving task, without waiting for akv's thread."""
-        self._orders.append(order)
+    def _wake_loop(self) -> None:
+        """Wake the serving task for the orders just queued, without waiting for akv's thread."""
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed (shutting down)
@@ -246,31 +261,40 @@ class WorkerHalf:
             self._wake.set()
 
     async def _serve(self) -> None:
-        """The task of akv's loop that carries out the steps' orders, one after the other (a
-        withdrawal never overtakes the exposure it ends); pulls run as tasks of their own."""
+        """The task of akv's loop that carries out the steps' orders: exposures and withdrawals
+        one after the other (a withdrawal never overtakes the exposure it ends), each exposure
+        once its forward pass's event fired; pulls at once, as tasks of their own."""
         async with anyio.create_task_group() as tg:
-            while True:
+            while not self._stop:
                 self._wake = wake = anyio.Event()
-                if not self._orders:
+                if not self._orders and not self._pulls:
                     await wake.wait()
-                while self._orders:
-                    order = self._orders.popleft()
-                    if order is None:
-                        return
-                    kind, event, jobs, withdraw = order
-                    if kind == "pull":
-                        for rid, job in jobs.items():
-                            tg.start_soon(self._pull, rid, job)
-                        continue
-                    # the forward pass may still write: a CUDA event has nothing to await
-                    while event is not None and not event.query():  # noqa: ASYNC110
-                        await anyio.sleep(0.0001)
+                self._start_pulls(tg)
+                while self._orders and not self._stop:
+                    event, jobs, withdraw = self._orders.popleft()
                     try:
-                        self._expose_all(jobs, withdraw)
-                    except Exception:  # never strand the blocks, never stop serving the next steps
-                        log.exception("akv: exposing requests %s failed: their blocks are freed", list(jobs))
+                        delay = 0.0001
+                        # the forward pass may still write: a CUDA event has nothing to await
+                        while event is not None and not event.query() and not self._stop:
+                            await anyio.sleep(delay)
+                            delay = min(delay * 2, 0.002)
+                            self._start_pulls(tg)  # pulls wait for no exposure
+                    except Exception:  # the device failed: nothing of these requests is exposed
+                        log.exception(
+                            "akv: waiting for the forward pass of %s failed: blocks freed", list(jobs)
+                        )
                         with self.out.lock:
                             self.out.sent.update(jobs)
+                        continue
+                    if self._stop:  # closing: the ranks close, and their exposures with them
+                        break
+                    self._expose_all(jobs, withdraw)
+                    self._start_pulls(tg)
+
+    def _start_pulls(self, tg: Any) -> None:
+        while self._pulls:
+            for rid, job in self._pulls.popleft().items():
+                tg.start_soon(self._pull, rid, job)
 
     def _expose_all(self, jobs: Mapping[str, ExposeJob], withdraw: Iterable[str]) -> None:
         for rid in withdraw:
@@ -279,6 +303,8 @@ class WorkerHalf:
             except UnknownRequestError:  # never exposed here (it failed): nothing holds the blocks
                 with self.out.lock:
                     self.out.sent.add(rid)
+            except Exception:  # its lease runs out in time: released (and reported) then
+                log.exception("akv: ending the lease of request %s failed", rid)
         for rid, job in jobs.items():
             try:
                 self.producer.expose(rid, self._ids(job.block_ids), generation=job.generation)
@@ -286,6 +312,20 @@ class WorkerHalf:
                 log.error("akv: exposing request %s failed (%s): its blocks are freed unread", rid, exc)
                 with self.out.lock:
                     self.out.sent.add(rid)
+            except Exception:
+                self._unexpected(rid)
+
+    def _unexpected(self, rid: str) -> None:
+        """``expose`` failed in a way akv does not foresee: if the request is exposed after all,
+        its lease ends now (released, and reported, as expired), else vLLM frees its blocks."""
+        log.exception("akv: exposing request %s failed", rid)
+        try:
+            self.producer.extend(rid, 0.0)
+        except UnknownRequestError:
+            with self.out.lock:
+                self.out.sent.add(rid)
+        except Exception:  # pragma: no cover - its lease, if any, runs out in time
+            log.exception("akv: ending the lease of request %s failed", rid)
 
     def _released(self, release: Any) -> None:
         with self.out.lock:
@@ -295,19 +335,19 @@ class WorkerHalf:
     async def _pull(self, rid: str, job: PullJob) -> None:
         import akv
 
-        remote = job.remote
-        num_tokens = remote.num_tokens if any(g.kind == "sliding" for g in self.groups) else None
-        req = akv.PullRequest(
-            request_id=remote.request_id,
-            local_block_ids=self._ids(job.local_block_ids),
-            remote_block_ids=self._ids(remote.block_ids),
-            generation=remote.generation,
-            num_tokens=num_tokens,
-            lease_s=remote.lease,
-        )
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.ident.options.expose_wait
+        remote = job.remote
         try:
+            num_tokens = remote.num_tokens if any(g.kind == "sliding" for g in self.groups) else None
+            req = akv.PullRequest(
+                request_id=remote.request_id,
+                local_block_ids=self._ids(job.local_block_ids),
+                remote_block_ids=self._ids(remote.block_ids),
+                generation=remote.generation,
+                num_tokens=num_tokens,
+                lease_s=remote.lease,
+            )
             while True:
                 try:
                     session = await self.consumer.connect(remote.address)
