@@ -91,7 +91,10 @@ def popen(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.
 
 # -- 1. each rank its own process, both address forms -------------------------------------------
 
-CASES = [(p, d, h, False) for p, d, h in TP_PAIRS] + [(p, d, 0, True) for p, d in MLA_TP_PAIRS]
+#: the TP pairs but 4->6 (12 heads) and 4->2 (8 heads), whose relations tests/test_e2e.py runs
+#: with one process per engine: the suite's time
+CASES = [(p, d, h, False) for p, d, h in TP_PAIRS if (p, d) not in ((4, 6), (4, 2))]
+CASES += [(p, d, 0, True) for p, d in MLA_TP_PAIRS]
 
 
 def _case_id(i: int) -> str:

@@ -42,6 +42,20 @@ def decode_args(endpoint: str, tp_size: int, kv_heads: int, extra: tuple[str, ..
     )
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """The relations run under asyncio; the same processes and wire under trio once below
+    (each relation under both cost the suite a minute and a half)."""
+    return "asyncio"
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_cross_process_pull_bit_exact_under_trio(anyio_backend: str) -> None:
+    """The decode ranks of one relation (prefill>decode) under trio: every request verifies
+    bit-exact, and prefill releases each by read."""
+    await test_cross_process_pull_bit_exact(4, 2, 8, ())
+
+
 @pytest.mark.parametrize(("p", "d", "h", "extra"), RELATIONS)
 async def test_cross_process_pull_bit_exact(p: int, d: int, h: int, extra: tuple[str, ...]) -> None:
     """Every TP relation: all requests verify bit-exact, and prefill releases each by read."""

@@ -55,6 +55,7 @@ def start_prefill(*extra: str, env: dict[str, str] | None = None) -> tuple[subpr
     )
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # processes: one event loop is enough
 async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -148,6 +149,7 @@ async def test_hung_peer_times_out_and_releases_by_lease() -> None:
     assert proc.returncode == 3  # some requests were released by lease, not by read
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # processes: one event loop is enough
 async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """A push from a stopped peer (TCP transport, the default mode there) fails with
     TransferTimeout, not a hang; the rank replaced its agent (nothing the silent writer sends
@@ -187,6 +189,7 @@ async def test_transfer_to_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) 
         stop(proc)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # processes: one event loop is enough
 async def test_decode_crash_after_handshake_releases_everything_by_lease_once() -> None:
     """A decode process killed after its handshake: prefill releases every request once
     (read or lease) and reports the counts."""

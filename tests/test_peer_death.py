@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 #: for the thorough run (the suite's time budget holds three)
 ROUNDS = int(os.environ.get("AKV_CHAOS_ROUNDS", "3"))
 #: a fresh prefill process per round (~15 s each): fewer by default, AKV_CHAOS_PREFILL_ROUNDS for more
-PREFILL_ROUNDS = int(os.environ.get("AKV_CHAOS_PREFILL_ROUNDS", "3"))
+PREFILL_ROUNDS = int(os.environ.get("AKV_CHAOS_PREFILL_ROUNDS", "2"))
 PER_REQUEST = 128  # 256 KiB blocks: 32 MiB requests
 GEOMETRY = [
     "--layers",
