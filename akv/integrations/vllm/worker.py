@@ -162,6 +162,10 @@ class WorkerHalf:
                         etcd=o.etcd,
                         transfer=transfer,
                         pack_pool_bytes=o.pack_pool_bytes,
+                        # no spinning after progress: a pull needs nothing from this poller (it
+                        # handles "done" notices and leases), and a spinning thread takes the
+                        # GIL and the core from vLLM's own steps
+                        spin_s=0.0,
                         **common,
                     )
                 )
