@@ -162,10 +162,13 @@ class WorkerHalf:
                         etcd=o.etcd,
                         transfer=transfer,
                         pack_pool_bytes=o.pack_pool_bytes,
-                        # no spinning after progress: a pull needs nothing from this poller (it
-                        # handles "done" notices and leases), and a spinning thread takes the
-                        # GIL and the core from vLLM's own steps
+                        # no spinning after progress, and polls up to 20 ms apart while requests
+                        # wait for their readers: a pull needs nothing from this poller (it
+                        # handles "done" notices and leases; push announcements keep their own
+                        # 0.5 ms cadence), and each wake-up takes the GIL and the core from
+                        # vLLM's own steps
                         spin_s=0.0,
+                        poll_max_s=0.02,
                         **common,
                     )
                 )
