@@ -68,20 +68,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and all its descendants (from /proc)."""
-    total = 0.0
-    todo = [pid]
-    tick = os.sysconf("SC_CLK_TCK")
+def process_tree(pid: int) -> list[int]:
+    """A process and all its descendants that still run (from /proc)."""
+    found, todo = [], [pid]
     while todo:
         p = todo.pop()
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
             children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        found.append(p)
+        todo.extend(int(c) for c in children)
+    return found
+
+
+def cpu_ticks(stat: Path) -> float:
+    """User + system CPU seconds from a /proc ``stat`` file (of a process or a thread)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and all its descendants."""
+    total = 0.0
+    for p in process_tree(pid):
+        try:
+            total += cpu_ticks(Path(f"/proc/{p}/stat"))
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-        todo.extend(int(c) for c in children)
     return total
 
 
@@ -89,13 +103,9 @@ def akv_threads(pid: int) -> tuple[float, int]:
     """CPU seconds and voluntary context switches (wake-ups) of akv's threads (named ``akv-N``
     by the connector's worker half) in a process and its descendants."""
     cpu, wakeups = 0.0, 0
-    tick = os.sysconf("SC_CLK_TCK")
-    todo = [pid]
-    while todo:
-        p = todo.pop()
+    for p in process_tree(pid):
         try:
             tids = os.listdir(f"/proc/{p}/task")
-            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
         except (FileNotFoundError, ProcessLookupError):
             continue
         for tid in tids:
@@ -103,13 +113,12 @@ def akv_threads(pid: int) -> tuple[float, int]:
             try:  # a thread may end between the listing and the reads
                 if not task.joinpath("comm").read_text().startswith("akv-"):
                     continue
-                fields = task.joinpath("stat").read_text().rsplit(")", 1)[1].split()
+                seconds = cpu_ticks(task / "stat")
                 status = task.joinpath("status").read_text().splitlines()
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 continue
-            cpu += (int(fields[11]) + int(fields[12])) / tick
+            cpu += seconds
             wakeups += sum(int(ln.split()[1]) for ln in status if ln.startswith("voluntary_ctxt_switches"))
-        todo.extend(int(c) for c in children)
     return cpu, wakeups
 
 
