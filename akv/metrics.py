@@ -40,6 +40,7 @@ COUNTERS: tuple[str, ...] = (
     "push_announcements",
     "push_writes",
     "pushes",
+    "packed_pushes",
     "push_failures",
     "push_notices_dropped",
     "push_stops_unconfirmed",

@@ -172,11 +172,6 @@ def add_transfer_flags(p: argparse.ArgumentParser, command: str, default: str) -
 
 
 def check_transfer_flags(a: argparse.Namespace) -> None:
-    """A one-line ConfigError for a bad ``--pack-pool-mib``, or packed copies with push mode
-    (pushes write the paged blocks; packed copies are read by pulls only)."""
+    """A one-line ConfigError for a bad ``--pack-pool-mib``."""
     mib = getattr(a, "pack_pool_mib", 1)
     check(mib >= 1, f"--pack-pool-mib must be >= 1, got {mib}")
-    check(
-        not (getattr(a, "transfer", None) == "packed" and getattr(a, "mode", None) == "push"),
-        "--transfer packed is for pulls (pushes write the paged blocks): drop it, or use --mode pull",
-    )

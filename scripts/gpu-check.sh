@@ -125,7 +125,8 @@ step test_gpu 120 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py
 
 # 4. The bench on the device, in order of what the figures are for: the standard workloads
 # but the large ones in pull mode (with the same-process one); the large ones; push mode on
-# the workloads its targets name (with layerwise); packed mode where packing matters. A step
+# the workloads its targets name (with layerwise); packed mode where packing matters (packed
+# reads, and packed pushes beside them). A step
 # gets what is left of the budget if less than its own bound.
 names() {
     "$py" -c "from akv.bench.workloads import WORKLOADS; print(','.join(w.name for w in WORKLOADS if $1))"
@@ -139,7 +140,7 @@ step pull 130 "${bench[@]}" --only "$(names "not w.name.startswith('large')"),sa
 step large 60 "${bench[@]}" --only "$(names "w.name.startswith('large')")"
 step push 80 "${bench[@]}" --mode push \
     --only "bulk,mla_prefill>decode,small_concurrent,latency,headmajor_1->2_frag,headmajor_2->1_frag,layerwise"
-step packed 70 "${bench[@]}" --transfer packed \
+step packed 80 "${bench[@]}" --transfer packed --mode push \
     --only "bulk,small_concurrent,latency,hnd_1->2_frag,hnd_2->1_frag,head_sliced_nhd"
 
 # 5. The step files and the summary table.

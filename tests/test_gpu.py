@@ -62,28 +62,56 @@ def _model_argv(spec: Any) -> list[str]:
     raise AssertionError(f"no flags for {g}")
 
 
+HM16 = make_spec(kv_heads=8, block_size=16, head_dim=64, num_blocks=64, layout="head-major")
 CROSS = [
-    pytest.param(make_spec(kv_heads=4, block_size=16, head_dim=64, num_blocks=64), 1, 2, None, id="1to2"),
-    pytest.param(make_spec(kv_heads=4, block_size=16, head_dim=64, num_blocks=64), 2, 1, None, id="2to1"),
-    pytest.param(make_spec(mla=True, block_size=16, head_dim=64, num_blocks=64), 2, 1, None, id="mla-2to1"),
     pytest.param(
-        make_spec(kv_heads=8, block_size=16, head_dim=64, num_blocks=64, layout="head-major"),
+        make_spec(kv_heads=4, block_size=16, head_dim=64, num_blocks=64), 1, 2, None, "read", id="1to2"
+    ),
+    pytest.param(
+        make_spec(kv_heads=4, block_size=16, head_dim=64, num_blocks=64), 2, 1, None, "read", id="2to1"
+    ),
+    pytest.param(
+        make_spec(mla=True, block_size=16, head_dim=64, num_blocks=64), 2, 1, None, "read", id="mla-2to1"
+    ),
+    pytest.param(
+        HM16,
         2,
         4,
         make_spec(kv_heads=8, block_size=32, head_dim=64, num_blocks=32),
+        "read",
         id="headmajor16-to-hnd32",
+    ),
+    # packed push: the prefill ranks WRITE their packed copies into VRAM staging, decode scatters
+    pytest.param(
+        make_spec(kv_heads=4, block_size=16, head_dim=64, num_blocks=64, layout="NHD"),
+        2,
+        1,
+        None,
+        "packed-push",
+        id="packed-push-nhd-2to1",
+    ),
+    pytest.param(
+        HM16,
+        2,
+        4,
+        make_spec(kv_heads=8, block_size=32, head_dim=64, num_blocks=32),
+        "packed-push",
+        id="packed-push-headmajor16-to-hnd32",
     ),
 ]
 
 
-@pytest.mark.parametrize(("pspec", "p", "d", "dspec"), CROSS)
-async def test_vram_reads_across_processes(pspec: Any, p: int, d: int, dspec: Any) -> None:
-    """Prefill ranks in their own processes on the GPU, decode here: NIXL READs of VRAM, bit-exact."""
+@pytest.mark.parametrize(("pspec", "p", "d", "dspec", "how"), CROSS)
+async def test_vram_reads_across_processes(pspec: Any, p: int, d: int, dspec: Any, how: str) -> None:
+    """Prefill ranks in their own processes on the GPU, decode here: NIXL READs of VRAM, or
+    packed pushes (the prefill ranks WRITE their packed copies into the decode's VRAM staging
+    area, a few descriptors each, and the decode scatters them), bit-exact."""
     dspec = dspec or pspec
+    packed = how == "packed-push"
     proc, endpoint = spawn_prefill(
         "--tp-size", str(p), "--device", "cuda", "--requests", "3", "--blocks-per-request", "4",
         "--lease", "60", "--timeout", "120", "--blocks", str(as_cache(pspec).groups[0].num_blocks),
-        *_model_argv(pspec),
+        *_model_argv(pspec), *(["--transfer", "packed"] if packed else []),
     )  # fmt: skip
     try:
         async with AsyncExitStack() as stack:
@@ -95,6 +123,7 @@ async def test_vram_reads_across_processes(pspec: Any, p: int, d: int, dspec: An
                         tp_rank=r,
                         tp_size=d,
                         engine_id="gpu-decode",
+                        **({"mode": "push", "transfer": "packed"} if packed else {}),
                     )
                 )
                 for r in range(d)
@@ -112,7 +141,9 @@ async def test_vram_reads_across_processes(pspec: Any, p: int, d: int, dspec: An
                         num_tokens=req.num_tokens,
                     )
                     result = await (await s.pull(pr))
-                    assert result.path == "read"
+                    assert result.path == ("push" if packed else "read")
+                    if packed:  # the packed copies' runs: k and v per prefill rank written from
+                        assert result.descriptors <= 2 * result.reads
                     assert verify_request(
                         c.kv_caches, dspec, r, d, local, req.seed, num_tokens=req.num_tokens
                     )

@@ -63,7 +63,8 @@ async def test_default_mode_pulls_from_an_engine_on_this_host(monkeypatch: pytes
 
 async def test_packed_transfers_push_where_reads_would_go_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
     """transfer="packed" with the default mode: a session whose READs UCX would serve over TCP
-    pushes the paged blocks instead (bit for bit), and never reads; a bad mode is a ConfigError."""
+    pushes instead, the prefill rank writing its packed copy (bit for bit), and never reads; a
+    bad mode is a ConfigError."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     spec = make_spec(num_blocks=8)
@@ -83,6 +84,7 @@ async def test_packed_transfers_push_where_reads_would_go_over_tcp(monkeypatch: 
         result = await (await session.pull("r", [2], [1]))
         assert result.path == "push"
         assert bool((consumer.kv_caches[0][2] == 5).all())
+        assert producer.metrics.snapshot().counters.get("packed_pushes") == 1
 
 
 async def test_pull_mode_is_refused_where_reads_would_go_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -341,10 +341,11 @@ class PushRank:
         self.pushers.append(hello)
 
 
-@pytest.mark.parametrize("field", ["agent_metadata", "region_addrs", "mode"])
+@pytest.mark.parametrize("field", ["agent_metadata", "region_addrs", "mode", "staging_addr"])
 def test_a_pushing_hello_is_bound_by_the_transcript_mac(field: str) -> None:
-    """A relay that alters a pushing decode rank's agent metadata, regions or mode makes the
-    prefill side refuse the MAC and never load the agent; unaltered, the agent is loaded."""
+    """A relay that alters a pushing decode rank's agent metadata, regions, mode or staging
+    area (where packed copies are written) makes the prefill side refuse the MAC and never
+    load the agent; unaltered, the agent is loaded."""
     import msgspec
 
     from akv.errors import AuthenticationError
@@ -363,8 +364,15 @@ def test_a_pushing_hello_is_bound_by_the_transcript_mac(field: str) -> None:
         mode="push",
         agent_metadata=b"D" * 64,
         region_addrs=[10, 20, 30, 40],
+        staging_addr=50,
+        staging_bytes=1024,
     )
-    altered = {"agent_metadata": b"X" * 64, "region_addrs": [10, 20, 30, 41], "mode": "pull"}
+    altered = {
+        "agent_metadata": b"X" * 64,
+        "region_addrs": [10, 20, 30, 41],
+        "mode": "pull",
+        "staging_addr": 60,
+    }
     for tamper in (False, True):
         rank = PushRank(cache)
         server = ServerConversation({0: rank}, b"secret")

@@ -43,16 +43,25 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(out)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(out)], check=True, capture_output=True
+    )
     return out
 
 
 def launch(tmp: Path, model: Path, role: str, core: int | str, **kw: Any) -> Instance:
     kw.setdefault("vllm_args", FAST)
     name = f"{role}-{kw.get('extra', {}).get('mode', 'pull')}-{free_port()}"
-    return start(tmp / f"{name}.log", connector="akv", role=role, http_port=free_port(), model=model,
-                 core=core, akv_port=free_port(), **kw)
+    return start(
+        tmp / f"{name}.log",
+        connector="akv",
+        role=role,
+        http_port=free_port(),
+        model=model,
+        core=core,
+        akv_port=free_port(),
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +92,15 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def complete(url: str, model: Path, tokens: list[int], max_tokens: int = 12, **extra: Any) -> dict[str, Any]:
-    body = {"model": str(model), "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **extra}
+    body = {
+        "model": str(model),
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
     r = _client.post(url + "/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return dict(r.json())
@@ -92,7 +108,9 @@ def complete(url: str, model: Path, tokens: list[int], max_tokens: int = 12, **e
 
 def colocated(prefill: Instance, model: Path, tokens: list[int]) -> list[int]:
     """The instance computes it all by itself (a salted prefix cache: nothing reused)."""
-    return list(complete(prefill.url, model, tokens, cache_salt=f"ref-{random.random()}")["choices"][0]["token_ids"])
+    return list(
+        complete(prefill.url, model, tokens, cache_salt=f"ref-{random.random()}")["choices"][0]["token_ids"]
+    )
 
 
 def disaggregated(prefill: Instance, decode: Instance, model: Path, tokens: list[int]) -> list[int]:
@@ -131,7 +149,9 @@ def test_disaggregated_tokens_equal_colocated(pair: tuple[Instance, Instance], m
         assert disaggregated(prefill, decode, model, tokens) == colocated(prefill, model, tokens), n
 
 
-def test_decode_metrics_count_prompt_tokens_as_transferred(pair: tuple[Instance, Instance], model: Path) -> None:
+def test_decode_metrics_count_prompt_tokens_as_transferred(
+    pair: tuple[Instance, Instance], model: Path
+) -> None:
     """Decode's own Prometheus output counts the prompt's tokens as external KV transfer (not
     computed), and akv's pull figures appear beside them."""
     prefill, decode = pair
@@ -159,7 +179,10 @@ def test_prefix_hit_pulls_only_missing_blocks(pair: tuple[Instance, Instance], m
     hits = metric(decode, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
     assert disaggregated(prefill, decode, model, second) == colocated(prefill, model, second)
     time.sleep(1.5)
-    assert wait_metric(decode, "vllm:akv_pull_bytes_total", pulled + 3 * BYTES_PER_BLOCK) == pulled + 3 * BYTES_PER_BLOCK
+    assert (
+        wait_metric(decode, "vllm:akv_pull_bytes_total", pulled + 3 * BYTES_PER_BLOCK)
+        == pulled + 3 * BYTES_PER_BLOCK
+    )
     assert metric(decode, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") - hits == 3 * BLOCK
 
 
@@ -179,9 +202,18 @@ def test_router_streams_chat_through_prefill_and_decode(pair: tuple[Instance, In
     prefill, decode = pair
     port = free_port()
     proxy = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples/vllm/proxy.py"), "--prefill", prefill.url, "--decode", decode.url,
-         "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            str(ROOT / "examples/vllm/proxy.py"),
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -194,8 +226,14 @@ def test_router_streams_chat_through_prefill_and_decode(pair: tuple[Instance, In
                 pass
             time.sleep(0.2)
         pulled = metric(decode, "vllm:akv_pull_bytes_total")
-        body = {"model": str(model), "messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 6,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": str(model),
+            "messages": [{"role": "user", "content": "x" * 300}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         chunks = []
         with _client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -238,7 +276,9 @@ def test_killed_prefill_fails_the_pull_and_decode_serves_on(
         wait_ready([prefill, decode])
         tokens = prompt(900, seed=500)
         want = colocated(survivor, model, tokens)
-        first = complete(prefill.url, model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        first = complete(
+            prefill.url, model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        )
         os.killpg(prefill.proc.pid, 9)
         prefill.proc.wait()
         got = complete(decode.url, model, tokens, kv_transfer_params=first["kv_transfer_params"])
@@ -259,7 +299,9 @@ def test_bad_extra_config_stops_the_instance_with_one_line(model: Path, tmp_path
     try:
         with pytest.raises(RuntimeError, match="exited"):
             wait_ready([inst], timeout=180)
-        assert "kv_connector_extra_config: Object contains unknown field `prot`" in inst.log.read_text(errors="replace")
+        assert "kv_connector_extra_config: Object contains unknown field `prot`" in inst.log.read_text(
+            errors="replace"
+        )
     finally:
         inst.stop()
 
@@ -271,8 +313,11 @@ def test_gemma3_sliding_window_tokens_equal_colocated(tmp_path: Path, hma: bool)
     supports it) the sliding layers form a KV-cache group of their own, sharing tensors with the
     full layers, and only the window's blocks move; without it every block of every layer does."""
     gemma = tmp_path / "gemma3"
-    subprocess.run([sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(gemma), "--arch", "gemma3"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(gemma), "--arch", "gemma3"],
+        check=True,
+        capture_output=True,
+    )
     args = FAST if hma else [*FAST, "--disable-hybrid-kv-cache-manager"]
     prefill = launch(tmp_path, gemma, "prefill", 0, vllm_args=args)
     decode = launch(tmp_path, gemma, "decode", 1, vllm_args=args)
@@ -281,7 +326,9 @@ def test_gemma3_sliding_window_tokens_equal_colocated(tmp_path: Path, hma: bool)
         for inst in (prefill, decode):  # vLLM's KV-cache groups: full and sliding, or one for all
             log = inst.log.read_text(errors="replace")
             groups = re.search(r"kv cache group sizes \(([\d, ]*)\)", log)  # logged for several groups
-            assert (len(groups.group(1).strip(", ").split(",")) if groups else 1) == (2 if hma else 1), inst.log
+            assert (len(groups.group(1).strip(", ").split(",")) if groups else 1) == (2 if hma else 1), (
+                inst.log
+            )
             assert ("Hybrid KV cache manager is disabled" in log) != hma, inst.log
         pulled = metric(decode, "vllm:akv_pull_bytes_total")
         for i, n in enumerate((37, 300, 1000)):

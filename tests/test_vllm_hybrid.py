@@ -55,12 +55,30 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     arch = request.param
     dtype, args = ARCHS[arch]
     model = tmp_path_factory.mktemp(arch)
-    subprocess.run([sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(model), "--arch", arch,
-                    "--dtype", dtype], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples/vllm/tiny_model.py"),
+            str(model),
+            "--arch",
+            arch,
+            "--dtype",
+            dtype,
+        ],
+        check=True,
+        capture_output=True,
+    )
     tmp = tmp_path_factory.mktemp(f"{arch}-logs")
     prefill = launch(tmp, model, "prefill", 0, vllm_args=args)
-    decode = launch(tmp, model, "decode", 1, vllm_args=args, failure_policy="recompute",
-                    extra={"transfer_timeout": 5.0, "connect_timeout": 2.0})
+    decode = launch(
+        tmp,
+        model,
+        "decode",
+        1,
+        vllm_args=args,
+        failure_policy="recompute",
+        extra={"transfer_timeout": 5.0, "connect_timeout": 2.0},
+    )
     try:
         wait_ready([prefill, decode])
         yield Hybrid(arch, model, prefill, decode)
@@ -84,7 +102,9 @@ def colocated(h: Hybrid, tokens: list[int]) -> tuple[list[int], list[float]]:
 
 def disaggregated(h: Hybrid, tokens: list[int]) -> list[int]:
     """What a router does: prefill with one token, then decode with prefill's kv_transfer_params."""
-    first = complete(h.prefill.url, h.model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    first = complete(
+        h.prefill.url, h.model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
     params = first["kv_transfer_params"]
     assert params and params["akv_address"], first
     return list(complete(h.decode.url, h.model, tokens, kv_transfer_params=params)["choices"][0]["token_ids"])
@@ -96,8 +116,16 @@ def assert_equal(h: Hybrid, got: list[int], want: tuple[list[int], list[float]],
     if got == tokens:
         return
     first = next(i for i, (a, b) in enumerate(zip(got, tokens, strict=True)) if a != b)
-    assert h.arch == "qwen3_next" and margins and margins[first] <= NEAR_TIE, (what, first, margins[first] if margins else None, got, tokens)
-    print(f"{h.arch} {what}: parts from colocated at token {first}, a near-tie (top-2 margin {margins[first]:.4f})")
+    assert h.arch == "qwen3_next" and margins and margins[first] <= NEAR_TIE, (
+        what,
+        first,
+        margins[first] if margins else None,
+        got,
+        tokens,
+    )
+    print(
+        f"{h.arch} {what}: parts from colocated at token {first}, a near-tie (top-2 margin {margins[first]:.4f})"
+    )
 
 
 def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybrid) -> None:
@@ -138,7 +166,9 @@ def test_failed_hybrid_pull_recomputes(hybrid: Hybrid) -> None:
     decode on a state akv did not fill."""
     h = hybrid
     tokens = prompt(400, seed=1000)
-    first = complete(h.prefill.url, h.model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    first = complete(
+        h.prefill.url, h.model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
     params = dict(first["kv_transfer_params"], akv_address=f"127.0.0.1:{free_port()}")
     failed = metric(h.decode, "vllm:akv_pulls_failed_total")
     got = complete(h.decode.url, h.model, tokens, kv_transfer_params=params)["choices"][0]["token_ids"]

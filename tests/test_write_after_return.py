@@ -1,6 +1,7 @@
 """No write lands after control returns: a failed, timed-out or closed pull never changes its
 blocks afterwards (real processes, real NIXL, UCX over TCP, where a consumer pushes by
-default, 64 MiB requests in flight; and reads NIXL still reports, with an agent handed in)."""
+default, 64 MiB requests in flight, also packed pushes into the staging area; and reads NIXL
+still reports, with an agent handed in)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tests.transfers import HeldBackend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-BLOCKS, PER_REQUEST = 448, 64  # 1 MiB blocks: 64 MiB requests
+BLOCKS, PER_REQUEST = 512, 64  # 1 MiB blocks: 64 MiB requests
 GEOMETRY = [
     "--layers",
     "8",
@@ -52,6 +53,7 @@ def prefill() -> Iterator[tuple[subprocess.Popen[str], str]]:
     proc, endpoint = spawn_prefill(
         "--tp-size", "1", "--blocks", str(BLOCKS), "--requests", str(BLOCKS // PER_REQUEST),
         "--blocks-per-request", str(PER_REQUEST), "--timeout", "120", "--lease", "120", "--hold", *GEOMETRY,
+        "--transfer", "packed", "--pack-pool-mib", str(BLOCKS + 64),  # packed copies of every request
         env=TCP,
     )  # fmt: skip
     try:
@@ -147,7 +149,9 @@ async def test_stalled_writer_past_the_deadline_lands_nothing_after_the_pull_rai
                 await t
         poison(kv, local_ids(0))
         elapsed = time.monotonic() - start
-        print(f"stalled writer: TransferTimeout {elapsed:.2f}s after the post (timeout {TIMEOUT}, grace {GRACE})")
+        print(
+            f"stalled writer: TransferTimeout {elapsed:.2f}s after the post (timeout {TIMEOUT}, grace {GRACE})"
+        )
         assert elapsed < TIMEOUT + GRACE + 5
         assert consumer.metrics.snapshot().counters["agent_resets"] == 1
         await resume_then_check(proc, consumer, session, reqs, kv, local_ids(0))
@@ -169,6 +173,43 @@ async def test_session_closed_mid_push_lands_nothing_after_it_closed(
         with pytest.raises(akv.errors.ClosedError):
             await t
         await resume_then_check(proc, consumer, session, reqs, kv, local_ids(1))
+
+
+async def test_stalled_packed_writer_lands_nothing_after_the_pull_raised(
+    prefill: tuple[subprocess.Popen[str], str],
+) -> None:
+    """Packed push over TCP: the writer SIGSTOPped mid-WRITE of its packed copy into the
+    staging area, past the pull's timeout and stop grace. The pull raises TransferTimeout only
+    once this rank replaced its agent, having scattered nothing into its blocks; the blocks
+    refilled right away stay intact for 8 s after the writer resumes, and a packed push
+    afterwards reuses the staging area, bit-exact."""
+    proc, endpoint = prefill
+    async with reader(endpoint, stop_grace_s=GRACE, transfer="packed") as (reqs, kv, consumer, session):
+        assert consumer.staging is not None
+        staging = consumer.staging.tensor
+        staging.fill_(0xFF)
+        poison(kv, local_ids(3), 0xFF)
+        t = await session.pull(reqs[6].request_id, local_ids(3), reqs[6].block_ids, transfer_timeout=TIMEOUT)
+        with anyio.fail_after(20):
+            while bool((staging[:4096] == 0xFF).all()):  # its first bytes landed in the staging area
+                await anyio.sleep(0.0005)
+        os.kill(proc.pid, signal.SIGSTOP)
+        with pytest.raises(akv.TransferTimeout):
+            with anyio.fail_after(TIMEOUT + GRACE + 10):
+                await t
+        assert all(bool((region.view(torch.uint8)[local_ids(3)] == 0xFF).all()) for region in kv)
+        poison(kv, local_ids(3))
+        assert consumer.metrics.snapshot().counters["agent_resets"] == 1
+        os.kill(proc.pid, signal.SIGCONT)
+        await anyio.sleep(8.0)
+        assert intact(kv, local_ids(3)), "bytes of a failed packed push reached blocks handed back"
+        assert proc.poll() is None, f"the writer died ({proc.returncode})"
+        session = await consumer.connect(session.endpoint)
+        r = reqs[7]
+        result = await (await session.pull(r.request_id, local_ids(4), r.block_ids, transfer_timeout=30))
+        assert result.path == "push" and result.descriptors <= 2  # k and v, one run each
+        assert verify_request(kv, spec(), 0, 1, local_ids(4), r.seed)
+        assert intact(kv, local_ids(3))
 
 
 async def test_short_timeout_leaves_blocks_alone(prefill: tuple[subprocess.Popen[str], str]) -> None:

@@ -185,6 +185,17 @@ class Backend(Protocol):
     ) -> XferHandle:
         """Create and post a READ of a few ``(addr, len, device)`` rows (no prepared lists)."""
 
+    def write_descs(
+        self,
+        agent: str,
+        local: npt.NDArray[np.int64],
+        local_mem: str,
+        remote: npt.NDArray[np.int64],
+        remote_mem: str,
+        notif: bytes,
+    ) -> XferHandle:
+        """Create and post a WRITE of a few ``(addr, len, device)`` rows (no prepared lists)."""
+
     def state(self, handle: XferHandle) -> XferState: ...
 
     def release(self, handle: XferHandle) -> bool: ...

@@ -371,17 +371,44 @@ class NixlBackend:
     ) -> XferHandle:
         """Create and post a READ of ``(N, 3)`` rows ``(addr, len, device)`` on each side (for
         a few descriptors whose addresses change per transfer: packed copies)."""
+        return self._post_descs("READ", agent, local, local_mem, remote, remote_mem, notif)
+
+    @on_device
+    def write_descs(
+        self,
+        agent: str,
+        local: npt.NDArray[np.int64],
+        local_mem: str,
+        remote: npt.NDArray[np.int64],
+        remote_mem: str,
+        notif: bytes,
+    ) -> XferHandle:
+        """Create and post a WRITE of ``(N, 3)`` rows ``(addr, len, device)`` on each side
+        (packed push: a packed copy into a decode rank's staging area)."""
+        return self._post_descs("WRITE", agent, local, local_mem, remote, remote_mem, notif)
+
+    def _post_descs(
+        self,
+        op: str,
+        agent: str,
+        local: npt.NDArray[np.int64],
+        local_mem: str,
+        remote: npt.NDArray[np.int64],
+        remote_mem: str,
+        notif: bytes,
+    ) -> XferHandle:
+        what = op.lower()
         if agent not in self._remotes:
             raise PeerLostError(f"agent {agent} was forgotten (its peer was re-linked)")
-        with map_exceptions("creating the read failed", TransferError):
+        with map_exceptions(f"creating the {what} failed", TransferError):
             handle = self._agent.initialize_xfer(
-                "READ",
+                op,
                 self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.int64), local_mem),
                 self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.int64), remote_mem),
                 agent,
                 notif,
             )
-        return self._submit(handle, "read")
+        return self._submit(handle, what)
 
     @on_device
     def state(self, handle: XferHandle) -> XferState:

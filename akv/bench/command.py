@@ -92,7 +92,8 @@ def add_bench_parser(sub: Any) -> None:
         choices=("direct", "packed", "auto"),
         default="direct",
         help="run each workload with direct reads, packed copies (the prefill packs every "
-        "request) or auto's choice per pull (default: %(default)s)",
+        "request; with --mode push, the pushes write packed copies too) or auto's choice per "
+        "pull (default: %(default)s)",
     )
     add_mode_flags(p, layers=True)
 

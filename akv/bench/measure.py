@@ -199,6 +199,8 @@ async def _measure(
                 tp_rank=d,
                 tp_size=w.decode_tp,
                 mode="push",
+                transfer=transfer,  # --transfer packed: packed pushes
+                pack_staging_bytes=256 << 20,
                 backend=NixlBackend(
                     f"bench-d{d}p-{os.getpid()}-{w.name}",
                     cuda_device=int(dev.split(":")[1]) if dev.startswith("cuda") else None,

@@ -109,6 +109,10 @@ class Hello(_Msg, frozen=True, tag=True, kw_only=True):
     region_addrs: Annotated[list[int], msgspec.Meta(max_length=MAX_REGIONS)] = []
     mem_type: Name = "DRAM"
     device_id: int = 0
+    # packed push (appended): the registered staging area packed copies may be written into
+    # (0 bytes: none; the writers then write only the paged blocks)
+    staging_addr: int = 0
+    staging_bytes: int = 0
 
 
 class Challenge(_Msg, frozen=True, tag=True, kw_only=True):

@@ -6,7 +6,10 @@ handshook as that decode rank):
 
 * ``announce``: request ``request_id`` of exposure ``generation`` goes into these local
   blocks (``local_ids``, ``remote_ids``, ``num_tokens``: exactly a `PullRequest`'s fields);
-  writes are granted under ``grant``, a random id unique to this pull.
+  writes are granted under ``grant``, a random id unique to this pull. With ``staging``
+  (packed push), a writer that keeps a packed copy of the request writes it there instead,
+  at the offsets both sides derive from the pull (`akv.runtime.paths.packed.plan_runs`),
+  and the decode rank scatters it into the blocks.
 * ``stop``: the grant is withdrawn (the pull was cancelled, timed out or lost a writer):
   post nothing more for it and confirm with ``stopped`` once nothing posted can still land.
 * ``bye``: the decode rank closed its session: forget its agent.
@@ -14,7 +17,8 @@ handshook as that decode rank):
 Prefill -> decode (sent by the writer's agent; the decode rank binds each to the writer it
 expects for that grant, request and generation):
 
-* ``pushed``: every byte this writer had to write for the grant has landed.
+* ``pushed``: every byte this writer had to write for the grant has landed (``code``
+  ``"packed"``: into the staging range, from its packed copy; ``""``: into the blocks).
 * ``stopped``: answers ``stop``: none of this writer's writes for the grant can land any more.
 * ``failed``: the writer cannot serve the grant (``message`` says why: lease expired, request
   not exposed, another generation, bad block ids); it posted nothing that can still land.
@@ -54,6 +58,9 @@ class PushNotice(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     # not_exposed, blocks, config, transfer, busy
     code: Name = ""
     message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    # "announce" (appended): where in the decode rank's staging area the writers put their
+    # packed copies (0: write the paged blocks); "pushed": code "packed" says the writer did
+    staging: int = 0
 
 
 _decoder = msgspec.msgpack.Decoder(PushNotice)

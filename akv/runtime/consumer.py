@@ -113,8 +113,8 @@ class Consumer(RankBase):
             when ``UCX_TLS`` leaves only TCP, or the engine's first endpoints are not
             addresses of this host's network namespace and UCX may use no RDMA here (no
             device in ``/sys/class/infiniband``, or ``UCX_TLS`` names no RDMA transport).
-            There, ``"auto"`` (the default, ``None`` too) pushes, also with
-            ``transfer="packed"`` (logged), and ``"pull"`` is refused at connect with a
+            There, ``"auto"`` (the default, ``None`` too) pushes (packed copies too, see
+            ``transfer``), and ``"pull"`` is refused at connect with a
             [`ConfigError`][akv.errors.ConfigError]; elsewhere ``"auto"`` pulls. Each
             session decides before its first handshake; ``TransferSession.mode`` says which.
         stop_grace_s: push mode: seconds a failed or cancelled pull waits for its writers to
@@ -130,12 +130,14 @@ class Consumer(RankBase):
             [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``transfer`` at
             connect if a prefill rank keeps none) or ``"auto"`` (packed where every rank read
             from packs and the direct read would post more than ``pack_threshold``
-            descriptors, or a rank released its blocks after packing). Pulls only:
-            ``mode="push"`` with ``transfer="packed"`` is a
-            [`ConfigError`][akv.errors.ConfigError] (pushes write the paged blocks), and a
-            session of mode "auto" that pushes (see ``mode``) ignores it.
-        pack_staging_bytes: the registered staging area packed reads land in (a pull that
-            finds it full reads directly, or fails with
+            descriptors, or a rank released its blocks after packing). In push mode the same
+            choice makes a *packed push*: the prefill ranks WRITE their packed copies into a
+            staging range this rank grants (a few descriptors each), and this rank scatters
+            them into the blocks; a writer with no copy of the request writes the blocks
+            instead. A push session with a ``transfer`` other than ``"direct"`` registers the
+            staging area before its first handshake.
+        pack_staging_bytes: the registered staging area packed reads and packed pushes land
+            in (a pull that finds it full reads or pushes the blocks directly, or fails with
             [`BackPressureError`][akv.errors.BackPressureError] when it cannot).
         pack_threshold: ``transfer="auto"``'s descriptor count (default: 512 on DRAM,
             measured, see docs/performance.md#packed-transfers; 32 on device memory, where a
@@ -222,11 +224,6 @@ class Consumer(RankBase):
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
         self.checks = CheckPool(max_checks)
         self.transfer = check_transfer(transfer)
-        if self.transfer == "packed" and self.mode == "push":
-            raise ConfigError(
-                "transfer='packed' picks which copy a pull reads; push mode writes into the paged "
-                "blocks: use mode='pull' with it, or transfer='auto' / 'direct'"
-            )
         on_device = self.mem_type != "DRAM"
         if pack_threshold is None:
             pack_threshold = DEVICE_AUTO_DESCRIPTORS if on_device else AUTO_DESCRIPTORS
@@ -284,6 +281,7 @@ class Consumer(RankBase):
             await anyio.to_thread.run_sync(backend.register_host, directories.array)
             directories.dlist = await anyio.to_thread.run_sync(backend.prep, "", directories.table(), "DRAM")
             self.staging, self.directories = staging, directories
+            self._metadata = None  # push mode: the next Hellos carry the staging registration
 
     def _teardown(self) -> None:
         try:

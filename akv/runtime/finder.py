@@ -66,6 +66,8 @@ class EngineFinder:
         self.mode: str | None = None if rank.mode == "auto" else rank.mode
         self._auto_push = False  # push chosen by "auto", not confirmed by a handshake yet
         self._tcp_checked = False  # whether pull was checked against READs over TCP
+        #: push mode: whether the Hellos sent named this rank's staging area (packed push)
+        self.staging_sent = False
 
     async def choose_mode(self, endpoints: Iterable[Endpoint]) -> None:
         """Decide the session's mode once, before the first handshake (the prefill ranks learn
@@ -96,10 +98,9 @@ class EngineFinder:
                 )
             return
         if tcp and self.rank.transfer == "packed":
-            self.log.warning(
-                "transfer='packed' reads packed copies, and UCX would serve those READs over TCP "
-                "(a reader dying mid-READ can kill the prefill process): pushing the paged "
-                "blocks instead",
+            self.log.info(
+                "transfer='packed' over TCP: the prefill ranks WRITE their packed copies into this "
+                "rank's staging area (packed push), since UCX would serve READs of them over TCP",
                 engine=str(self.address),
             )
         self.mode = "push" if tcp else "pull"
@@ -130,6 +131,10 @@ class EngineFinder:
                 mem_type=c.mem_type,
                 device_id=c.memory.device_id,
             )
+            if c.staging is not None:  # the writers may put packed copies there
+                hello = msgspec.structs.replace(
+                    hello, staging_addr=c.staging.addr, staging_bytes=c.staging.arena.size
+                )
         return hello
 
     async def _handshake_with(
@@ -138,9 +143,13 @@ class EngineFinder:
         from akv.runtime.control import client_handshake
 
         c = self.rank
+        if self.mode == "push" and c.transfer != "direct":
+            await c.enable_packing()  # registered before the Hello: its metadata must hold it
+        hello = self.hello()
+        self.staging_sent = bool(hello.staging_bytes)
         return await client_handshake(
             endpoint,
-            self.hello(),
+            hello,
             secret=c.secret,
             choose_ranks=choose,
             connect_timeout=c.connect_timeout,

@@ -177,11 +177,7 @@ class EngineLinks:
                     "same_process='copy' needs every one here (use 'auto' to copy only when they are)",
                     ("same_process",),
                 )
-        if (
-            c.transfer == "packed"
-            and self.mode != "push"
-            and (plain := sorted(r for r, i in infos.items() if i.pack is None))
-        ):
+        if c.transfer == "packed" and (plain := sorted(r for r, i in infos.items() if i.pack is None)):
             raise packed.error_for(plain, ch.engine_id)
         if c.verify_exposure:
             missing = sorted(r for r, i in infos.items() if not i.exposure_buckets)
@@ -260,7 +256,7 @@ class EngineLinks:
                         dtype=np.int64,
                     )
                     link.check = RankCheck(backend.prep(link.agent, table, "DRAM"), info.exposure_buckets)
-                if info.pack is not None and self.rank.staging is not None:
+                if info.pack is not None and self.rank.staging is not None and self.mode != "push":
                     link.directory = packed.directory_check(backend, link.agent, info.pack)
         except BaseException:
             for link in out.values():

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from akv import kernels
+from akv import exposure, kernels
 from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import rank_layout
 from akv.kernels import RunCopier
-from akv.packing import Arena, CacheViews, PackDirectory, gather, gather_runs, sections
+from akv.packing import Arena, CacheViews, PackDirectory, find, gather, gather_runs, sections
 from akv.protocol.messages import PackInfo
 
 if TYPE_CHECKING:
@@ -185,6 +185,17 @@ class Packer:
                 del self.pending[request_id]
                 done.append((request_id, self._publish(request_id, generation, offset, size)))
         return done
+
+    def copy_of(self, request_id: str) -> tuple[int, int, int] | Literal["pending"] | None:
+        """``(generation, offset, nbytes)`` of a request's published copy; ``"pending"`` while
+        its gather is queued on the device; None if it has none."""
+        if request_id in self.pending:
+            return "pending"
+        if request_id not in self.slots:
+            return None
+        return find(
+            self.directory.array[exposure.request_hash(request_id) % self.directory.buckets], request_id
+        )
 
     def drop(self, request_id: str) -> bool:
         """Retire a request's copy and free its slot (once: later calls do nothing); True if

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 import anyio.to_thread
@@ -40,7 +40,7 @@ from akv.runtime import local, registration
 from akv.runtime.control import ControlServer
 from akv.runtime.listeners import Listeners
 from akv.runtime.packer import Packer, check_transfer, fragmented
-from akv.runtime.pusher import Pusher
+from akv.runtime.pusher import PackedCopy, Pusher
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.tls import TLSConfig
 
@@ -339,6 +339,20 @@ class Producer(RankBase):
             )
         return self._info
 
+    def packed_copy(self, request_id: str) -> PackedCopy | Literal["pending"] | None:
+        """Push mode: where this rank's packed copy of an exposed request is (``"pending"``
+        while its gather is queued on the device; None: it has none, its blocks are written)."""
+        packer = self.packer
+        if packer is None:
+            return None
+        found = packer.copy_of(request_id)
+        if found is None or found == "pending":
+            return found
+        generation, offset, nbytes = found
+        info = self.rank_info().pack
+        assert info is not None  # a rank with a packer announces its pool
+        return PackedCopy(info.pool_addr + offset, nbytes, generation, info.mem_type, info.device_id)
+
     def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None:
         """Remember a decode rank: its engine's TP size (it fixes how many notifications to
         expect) and its NIXL agent (its notices are accepted only from that agent)."""
@@ -467,6 +481,7 @@ class Producer(RankBase):
     def _packed(self, request_id: str, ids: npt.NDArray[np.int32], packed: bool) -> None:
         """A request's packed copy is published (or it has none); with
         ``release_after_pack``, hand its blocks back now."""
+        self.pusher.packed_ready(request_id)  # packed pushes waiting for the copy go on
         if not packed:
             self.metrics.inc("pack_fallbacks")
             self._log.info("no packed copy (pool full): the request is read directly", request=request_id)

@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +34,7 @@ from akv.errors import AkvError, BlockIdError, ConfigError, PeerLostError, Trans
 from akv.plan import RankMemory, TransferPlan
 from akv.protocol.messages import Hello, Notice
 from akv.protocol.push import PushNotice, encode_push
+from akv.runtime.paths.packed import desc_rows, plan_runs, staged_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -42,8 +43,9 @@ if TYPE_CHECKING:
     from akv.geometry.cache import CacheSpec
     from akv.ledger import Release, ReleaseLedger
     from akv.metrics import Metrics
+    from akv.plan import Prepared
 
-__all__ = ["FLUSH_S", "MAX_GRANTS", "RETIRED", "PushRank", "Pusher"]
+__all__ = ["FLUSH_S", "MAX_GRANTS", "RETIRED", "PackedCopy", "PushRank", "Pusher"]
 
 #: Grants (announcements not finished) held at once per decode rank.
 MAX_GRANTS = 4096
@@ -74,6 +76,18 @@ class PushRank(Protocol):
     def tp_rank(self) -> int: ...
     @property
     def tp_size(self) -> int: ...
+    def packed_copy(self, request_id: str) -> PackedCopy | Literal["pending"] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PackedCopy:
+    """Where a prefill rank's packed copy of a request is (registered memory)."""
+
+    addr: int
+    nbytes: int
+    generation: int
+    mem_type: str
+    device_id: int
 
 
 @dataclass(eq=False)
@@ -109,6 +123,7 @@ class _Grant:
     pending: set[XferHandle] = field(default_factory=set)
     reaping: int = 0  # handles handed to the reaper, not released yet
     answer: PushNotice | None = None  # what to send once nothing can land ("stopped"/"failed")
+    packed: bool = False  # writes the packed copy into the decode rank's staging area
 
     @property
     def key(self) -> tuple[str, int]:
@@ -252,6 +267,13 @@ class Pusher:
             if grant.state == "writing":
                 self._advance(grant)
 
+    def packed_ready(self, request_id: str) -> None:
+        """A request's packed copy was published (or found no room): packed pushes waiting
+        for it start."""
+        for grant in list(self.by_request.get(request_id, ())):
+            if grant.state == "waiting":
+                self._start(grant)
+
     def released(self, releases: list[Release]) -> None:
         """Releases delivered: grants of a request released under them fail (once their writes
         can no longer land: the bytes they read may be another request's now)."""
@@ -303,6 +325,15 @@ class Pusher:
                     grant, "config", f"prefill rank {p.tp_rank} writes nothing of {rid!r} to this rank"
                 )
                 return
+            if n.staging:
+                copy = p.packed_copy(rid)
+                if copy == "pending":
+                    return  # its gather is queued on the device: started once published
+                if copy is not None and copy.generation == gen & exposure.GENERATION_MASK:
+                    self._start_packed(grant, plan, prepared, copy, gen, exposed)
+                    return
+                # no packed copy of it here (pool full, or layers still to compute): the
+                # paged blocks are written, and "pushed" says so
             op, li, ri = mine[0]
             grant.local = self._list(
                 grant.target, ("l", op.remote_table), "", plan.tables[op.remote_table], self._mem_type()
@@ -328,6 +359,68 @@ class Pusher:
         grant.generation, grant.digest = gen, exposure.digest(exposed)
         grant.state = "writing"
         self._advance(grant)
+
+    def _start_packed(
+        self,
+        grant: _Grant,
+        plan: TransferPlan,
+        prepared: Prepared,
+        copy: PackedCopy,
+        generation: int,
+        exposed: npt.NDArray[np.int32],
+    ) -> None:
+        """Write this rank's packed copy of the request into the staging range the decode
+        rank granted (one WRITE of a few runs; the decode rank scatters it)."""
+        p, n, hello = self.producer, grant.notice, grant.target.hello
+        ranks = sorted({op.remote_rank for op, _, _ in prepared.posts})
+        try:
+            items, runs, sizes = plan_runs(hello.spec, p.cache, prepared, p.tp_size, ranks, n.request_id)
+        except TransferError as exc:
+            self._fail_now(grant, "config", str(exc))
+            return
+        if sizes[p.tp_rank] != copy.nbytes:
+            self._fail_now(
+                grant,
+                "config",
+                f"the packed copy of {n.request_id!r} has {copy.nbytes} bytes here, the decode rank "
+                f"expects {sizes[p.tp_rank]}: the engines disagree on the cache",
+            )
+            return
+        span = staged_bytes(items)
+        if not (
+            hello.staging_bytes
+            and hello.staging_addr <= n.staging
+            and n.staging + span <= hello.staging_addr + hello.staging_bytes
+        ):
+            self._fail_now(
+                grant,
+                "config",
+                f"the staging range granted for {n.request_id!r} ({span} bytes at {n.staging:#x}) lies "
+                "outside the staging area the decode rank registered",
+            )
+            return
+        into, src, lengths = runs[p.tp_rank]
+        grant.packed = True
+        grant.generation, grant.digest = generation, exposure.digest(exposed)
+        grant.sent = np.ones(1, dtype=bool)
+        grant.state = "writing"
+        if not lengths.size:  # nothing of it lies on this rank: done at the next poll
+            return
+        try:
+            handle = p.backend.write_descs(
+                grant.target.agent,
+                desc_rows(copy.addr + src, lengths, copy.device_id),
+                copy.mem_type,
+                desc_rows(n.staging + into, lengths, hello.device_id),
+                hello.mem_type,
+                b"",
+            )
+        except TransferError as exc:
+            self._end(grant, self._notice(grant, "failed", "transfer", str(exc)))
+            return
+        grant.pending.add(handle)
+        self.metrics.inc("push_writes")
+        self.metrics.inc("packed_pushes")
 
     def _advance(self, grant: _Grant) -> None:
         """Post a WRITE of the descriptors whose layers are ready and not written yet."""
@@ -390,7 +483,7 @@ class Pusher:
         if gen != grant.generation:  # released (or re-exposed) under the writes: not to be trusted
             self._end(grant, self._notice(grant, "failed", "released", f"{rid!r} was released while writing"))
             return
-        self._send_notice(grant.target, self._notice(grant, "pushed"))
+        self._send_notice(grant.target, self._notice(grant, "pushed", "packed" if grant.packed else ""))
         self._drop(grant)
         self.metrics.inc("pushes")
         engine, rank, tp = grant.target.identity

@@ -28,7 +28,7 @@ from akv.protocol.push import PushNotice
 from akv.runtime.links import EngineLinks, RankLink
 from akv.runtime.paths import Failed, PathName, PathOp, packed
 from akv.runtime.paths.copy import CopyPlan
-from akv.runtime.paths.push import PushOp
+from akv.runtime.paths.push import PackedPush, PushOp
 from akv.runtime.paths.read import NixlRead, RankCheck, ReadPost
 from akv.runtime.poller import PullPoller
 from akv.runtime.rank import DecodeRank
@@ -351,10 +351,11 @@ class TransferSession:
         return op, prepared.standalone
 
     def _launch_push(self, prepared: Prepared, req: PullRequest) -> PushOp:
-        """The grant of this pull's blocks to its writers (every prefill rank it reads from);
-        its ``start`` announces it."""
+        """The grant of this pull's blocks (or, packed, of a staging range) to its writers
+        (every prefill rank it reads from); its ``start`` announces it."""
         c = self.rank
         writers = {op.remote_rank: self.remote.links[op.remote_rank].agent for op, _, _ in prepared.posts}
+        staged = self._push_staging(prepared, req.request_id)
         announce = PushNotice(
             kind="announce",
             engine_id=c.engine_id,
@@ -366,10 +367,47 @@ class TransferSession:
             local_ids=_ids(req.local_block_ids),
             remote_ids=_ids(req.remote_block_ids),
             num_tokens=req.num_tokens or 0,
+            staging=0 if staged is None or c.staging is None else c.staging.addr + staged[0],
         )
         self.poller.flush_notices()
         self.metrics.inc("push_announces_sent", len(writers))  # PushOp.start sends one to each
-        return PushOp(c.backend, writers, announce)
+        if staged is None:
+            return PushOp(c.backend, writers, announce)
+        offset, items, descriptors = staged
+        assert c.staging is not None  # staged only with a staging area
+        return PackedPush(
+            c.backend,
+            writers,
+            announce,
+            staging=c.staging,
+            offset=offset,
+            items=items,
+            views=c.pack_views,
+            descriptors=descriptors,
+        )
+
+    def _push_staging(self, prepared: Prepared, request_id: str) -> tuple[int, list[packed.Item], int] | None:
+        """A packed push's staging range, items and write runs, if the consumer's
+        ``transfer`` picks the writers' packed copies for this pull (every writer keeps them,
+        this rank's Hello named its staging area) and the staging area has room; else None
+        (the writers write the blocks)."""
+        c = self.rank
+        if c.staging is None or self.remote.remote_spec is None or not self.remote.finder.staging_sent:
+            return None
+        packs = {r: link.info.pack for r, link in self.remote.links.items()}
+        if not packed.use_packed(c.transfer, prepared, packs, c.pack_threshold, c.pack_run_bytes):
+            return None
+        ranks = sorted({op.remote_rank for op, _, _ in prepared.posts})
+        if any(packs.get(r) is None for r in ranks):
+            return None
+        items, runs, _ = packed.plan_runs(
+            c.cache, as_cache(self.remote.remote_spec), prepared, self.remote.prefill_tp, ranks, request_id
+        )
+        offset = c.staging.arena.alloc(max(packed.staged_bytes(items), 1))
+        if offset is None:
+            self.metrics.inc("pack_fallbacks")
+            return None
+        return offset, items, sum(int(lengths.size) for _, _, lengths in runs.values())
 
     def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32], generation: int = 0) -> bytes:
         """The "done" notice of a request, with the digest of its prefill block ids (and the

@@ -102,12 +102,14 @@ class TransferResult(msgspec.Struct, frozen=True):
         bytes: data bytes moved into this rank's cache.
         descriptors: byte runs moved: descriptors submitted to NIXL on the read path, runs
             copied on the copy path (the same count for the same request), descriptors of the
-            packed copies read on the packed path.
+            packed copies read on the packed path or written by a packed push.
         reads: prefill ranks read from (one read, or one copy, each).
         seconds: wall time from launch to completion.
         path: how the bytes moved: ``"copy"`` (torch, the prefill ranks live in this
             process), ``"read"`` (NIXL READs), ``"packed"`` (NIXL READs of the prefill
-            ranks' packed copies, then a scatter into the paged cache) or ``"push"`` (the prefill ranks WRITE).
+            ranks' packed copies, then a scatter into the paged cache) or ``"push"`` (the
+            prefill ranks WRITE: the paged blocks, or with ``transfer`` packed their packed
+            copies into this rank's staging area, then a scatter).
     """
 
     request_id: str
@@ -223,6 +225,9 @@ class Transfer:
         else:
             self._error = error
             self.state.stage = Stage.FAILED
+        finished = getattr(self.op, "finished", None)  # a packed push frees its staging range
+        if finished is not None:
+            finished()
         if self._event is not None:
             self._event.set()
 

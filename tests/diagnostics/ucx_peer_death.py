@@ -150,7 +150,15 @@ def target(folder: str, mib: int, cut: str, watch: float, params: str, dirty: in
 
 
 def initiator(
-    folder: str, mib: int, descs: int, op: str, timeout: float, cut: str, watch: float, warmup: int, params: str
+    folder: str,
+    mib: int,
+    descs: int,
+    op: str,
+    timeout: float,
+    cut: str,
+    watch: float,
+    warmup: int,
+    params: str,
 ) -> None:
     agent = _agent("peer-death-initiator", params)
     buf = np.full(mib << 20, 7, np.uint8)
@@ -247,7 +255,12 @@ def trial(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
             seen = Path(state_file).read_text() if os.path.exists(state_file) else ""
             crashed = [name for name, code in codes.items() if code is not None and code < 0]
             err = b"".join(procs[n].stderr.read() for n in crashed if procs[n].stderr is not None)
-            return {"codes": codes, "crashed": crashed, "initiator": seen, "stderr": err.decode(errors="replace")[-6000:]}
+            return {
+                "codes": codes,
+                "crashed": crashed,
+                "initiator": seen,
+                "stderr": err.decode(errors="replace")[-6000:],
+            }
         finally:
             for p in procs.values():
                 if p.poll() is None:
@@ -272,7 +285,9 @@ def bench(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
                         os.remove(os.path.join(folder, name))
                 ini = _spawn("initiator", folder, args, env)
                 state = _wait_file(os.path.join(folder, "initiator.state"), 120).decode().split()
-                rates.append(round((args.mib << 20) / float(state[-1]) / 1e9, 3) if state[0] == "DONE" else 0.0)
+                rates.append(
+                    round((args.mib << 20) / float(state[-1]) / 1e9, 3) if state[0] == "DONE" else 0.0
+                )
                 os.kill(ini.pid, signal.SIGKILL)  # no "done" file yet: the target must live on
                 ini.wait()
                 if ini.stderr:
@@ -311,19 +326,33 @@ def main() -> None:
         return
     if args.role == "initiator":
         initiator(
-            args.folder, args.mib, args.descs, args.op, args.timeout, args.cut, args.watch, args.warmup, args.params
+            args.folder,
+            args.mib,
+            args.descs,
+            args.op,
+            args.timeout,
+            args.cut,
+            args.watch,
+            args.warmup,
+            args.params,
         )
         return
     env = dict(os.environ)
     env.update(kv.split("=", 1) for kv in args.env)  # type: ignore[misc]
     settings = dict(kv.split("=", 1) for kv in args.env)
     if args.bench:
-        print(json.dumps({"op": args.op, "mib": args.mib, "descs": args.descs, "env": settings, **bench(args, env)}))
+        print(
+            json.dumps(
+                {"op": args.op, "mib": args.mib, "descs": args.descs, "env": settings, **bench(args, env)}
+            )
+        )
         return
     results = [trial(args, env) for _ in range(args.trials)]
     crashes = [r for r in results if r["crashed"]]
     out = {"event": args.event, "op": args.op, "cut": args.cut, "delay": args.delay, "mib": args.mib}
-    out.update(descs=args.descs, warmup=args.warmup, dirty_heap=args.dirty_heap, env=settings, params=args.params)
+    out.update(
+        descs=args.descs, warmup=args.warmup, dirty_heap=args.dirty_heap, env=settings, params=args.params
+    )
     out.update(trials=len(results), crashes=len(crashes), codes=[r["codes"] for r in results])
     out["initiator"] = [r["initiator"] for r in results]
     print(json.dumps(out), flush=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -57,9 +57,14 @@ __all__ = [
     "DEVICE_AUTO_DESCRIPTORS",
     "DEVICE_AUTO_RUN_BYTES",
     "DescPost",
+    "Item",
     "PackedLink",
     "PackedRead",
     "StagingPool",
+    "desc_rows",
+    "plan_runs",
+    "scatter_items",
+    "staged_bytes",
     "use_packed",
 ]
 
@@ -193,7 +198,7 @@ def use_packed(
 
 
 @dataclass(frozen=True, slots=True)
-class _Item:
+class Item:
     """One (group, component, prefill rank) share of a pull: where it is staged and where its
     tokens go."""
 
@@ -208,6 +213,145 @@ class _Item:
     nbytes: int
     blocks: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
+
+
+def plan_runs(
+    local_spec: CacheSpec,
+    remote_spec: CacheSpec,
+    prepared: Prepared,
+    prefill_tp: int,
+    ranks: Collection[int],
+    request_id: str,
+) -> tuple[
+    list[Item],
+    dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]],
+    dict[int, int],
+]:
+    """How a pull's packed copies land in its staging range, the same on both sides (the
+    decode rank reads them, or a prefill rank writes its own in push mode): the items to
+    scatter, and per prefill rank in ``ranks`` its runs (offset in the pull's staging range,
+    offset in the rank's packed copy, bytes) and the size of its packed copy."""
+    lc, rc, p = local_spec, remote_spec, prepared
+    counts = list(p.remote_counts)
+    layout: dict[int, dict[tuple[int, int], Section]] = {}
+    sizes: dict[int, int] = {}
+    for rank in ranks:
+        secs, sizes[rank] = sections(rc, rank, prefill_tp, counts)
+        layout[rank] = {(s.group, s.component): s for s in secs}
+    gindex = {g.name: i for i, g in enumerate(lc.groups)}
+    runs: dict[int, tuple[list[int], list[int], list[int]]] = {r: ([], [], []) for r in ranks}
+    items: list[Item] = []
+    at = 0
+    for read in p.reads.detail:
+        gi = gindex[read.group]
+        ch = p.chunks[gi]
+        if not ch.size or read.remote_rank not in layout:
+            continue
+        lg, rg = lc.groups[gi], rc.groups[gi]
+        ci = next(i for i, c in enumerate(lg.components) if c.name == read.component)
+        sec = layout[read.remote_rank][(gi, ci)]
+        if lg.tokens:
+            bl, br = lg.block_size, rg.block_size
+            g = min(bl, br)
+            pos0 = (
+                ch.pattern.astype(np.int64) * g
+                if ch.pattern is not None and bl > br
+                else np.zeros(ch.size, np.int64)
+            )
+        else:
+            g, pos0 = 1, np.zeros(ch.size, np.int64)
+        tokens = ch.size * g
+        blocks = np.repeat(ch.local.astype(np.int64), g)
+        positions = np.repeat(pos0, g) + np.tile(np.arange(g, dtype=np.int64), ch.size)
+        units = len(read.remote_units)
+        nbytes = units * tokens * sec.layers * sec.run
+        items.append(
+            Item(
+                gi,
+                ci,
+                read.remote_rank,
+                read.local_units,
+                read.remote_units,
+                ch.offset,
+                tokens,
+                at,
+                nbytes,
+                blocks,
+                positions,
+            )
+        )
+        start = sec.offset + (read.remote_units.start - sec.units.start) * sec.unit_bytes
+        if ch.offset + tokens > sec.tokens:
+            raise TransferError(f"request {request_id!r}: tokens read lie outside the packed copy")
+        local, remote, lengths = runs[read.remote_rank]
+        if ch.offset == 0 and tokens == sec.tokens:
+            local.append(at)
+            remote.append(start)
+            lengths.append(nbytes)
+        else:  # a suffix of the tokens: one run per unit and layer
+            run, layer = tokens * sec.run, sec.tokens * sec.run
+            for k in range(units):
+                for i in range(sec.layers):
+                    local.append(at + (k * sec.layers + i) * run)
+                    remote.append(start + k * sec.unit_bytes + i * layer + ch.offset * sec.run)
+                    lengths.append(run)
+        at += -(-nbytes // 256) * 256
+    out = {
+        r: (np.array(a, dtype=np.int64), np.array(b, dtype=np.int64), np.array(n, dtype=np.int64))
+        for r, (a, b, n) in runs.items()
+    }
+    return items, out, sizes
+
+
+def staged_bytes(items: Sequence[Item]) -> int:
+    """Bytes of the staging range a pull's items take (each starts 256-aligned)."""
+    return items[-1].offset + items[-1].nbytes if items else 0
+
+
+def desc_rows(
+    addrs: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], device: int
+) -> npt.NDArray[np.int64]:
+    """``(addr, len, device)`` rows."""
+    out = np.empty((len(addrs), 3), dtype=np.int64)
+    out[:, 0], out[:, 1], out[:, 2] = addrs, lengths, device
+    return out
+
+
+def scatter_items(staging: StagingPool, views: CacheViews, items: Sequence[Item], base: int) -> float:
+    """Scatter every item staged from ``base`` (in the staging area) into the paged cache (on
+    CUDA: queue it); returns the seconds it took."""
+    started = time.perf_counter()
+    copier = staging.copier
+    if copier is not None:  # one kernel launch for the whole pull
+        addr = staging.addr + base
+        runs = [
+            scatter_runs(
+                views,
+                item.group,
+                item.component,
+                item.local_units,
+                addr + item.offset,
+                item.blocks,
+                item.positions,
+            )
+            for item in items
+        ]
+        if runs:
+            copier.copy(*(np.concatenate(parts) for parts in zip(*runs, strict=True)))
+        return time.perf_counter() - started
+    for item in items:
+        staged = staging.tensor[base + item.offset : base + item.offset + item.nbytes]
+        scatter(
+            views,
+            item.group,
+            item.component,
+            item.local_units,
+            staged,
+            item.blocks,
+            item.positions,
+            staging.torch_ops,
+        )
+    return time.perf_counter() - started
 
 
 class PackedRead:
@@ -265,7 +409,7 @@ class PackedRead:
         self._ranks = frozenset(op.remote_rank for op, _, _ in prepared.posts)
         self._lookups: dict[XferHandle, int] = {}
         self._dir_slots: dict[int, int] = {}
-        self._items: list[_Item] = []
+        self._items: list[Item] = []
         self._staged: int | None = None  # offset of the pull's staging range
         self._landed = False
         self._aborted = False
@@ -391,7 +535,7 @@ class PackedRead:
             rows = self._plan(entries)
         except TransferError as exc:
             return Failed(exc)
-        total = sum(item.nbytes for item in self._items)
+        total = staged_bytes(self._items)  # the span: items start 256-aligned
         offset = self.staging.arena.alloc(total)
         if offset is None:
             if any(self.links[r].pack.early for r in entries):
@@ -406,12 +550,10 @@ class PackedRead:
         base = self.staging.addr + offset
         posts = []
         for rank in sorted(entries):
-            local, remote = rows[rank]
-            if not local:
+            ltab, rtab = rows[rank]
+            if not len(ltab):
                 continue
-            ltab = np.array(local, dtype=np.int64)
             ltab[:, 0] += base
-            rtab = np.array(remote, dtype=np.int64)
             self._descriptors += len(ltab)
             link = self.links[rank]
             posts.append(DescPost(rank, link.agent, ltab, self.staging.mem_type, rtab, link.pack.mem_type))
@@ -435,87 +577,26 @@ class PackedRead:
 
     def _plan(
         self, entries: Mapping[int, tuple[int, int, int]]
-    ) -> dict[int, tuple[list[list[int]], list[list[int]]]]:
+    ) -> dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
         """Items of the pull and, per prefill rank, its rows: local ``(offset in the staging
         range, len, device)`` and remote ``(addr, len, device)``."""
-        lc, rc, p = self.local_spec, self.remote_spec, self.prepared
-        counts = list(p.remote_counts)
-        layout: dict[int, dict[tuple[int, int], Section]] = {}
+        items, runs, sizes = plan_runs(
+            self.local_spec, self.remote_spec, self.prepared, self.prefill_tp, entries, self.request_id
+        )
         for rank, (_, _, nbytes) in entries.items():
-            secs, size = sections(rc, rank, self.prefill_tp, counts)
-            if size != nbytes:
+            if sizes[rank] != nbytes:
                 raise TransferError(
                     f"prefill rank {rank}'s packed copy of {self.request_id!r} has {nbytes} bytes, "
-                    f"{size} expected: the engines disagree on the cache"
+                    f"{sizes[rank]} expected: the engines disagree on the cache"
                 )
-            layout[rank] = {(s.group, s.component): s for s in secs}
-        gindex = {g.name: i for i, g in enumerate(lc.groups)}
-        rows: dict[int, tuple[list[list[int]], list[list[int]]]] = {r: ([], []) for r in entries}
-        at = 0
-        for read in p.reads.detail:
-            gi = gindex[read.group]
-            ch = p.chunks[gi]
-            if not ch.size or read.remote_rank not in entries:
-                continue
-            lg, rg = lc.groups[gi], rc.groups[gi]
-            ci = next(i for i, c in enumerate(lg.components) if c.name == read.component)
-            sec = layout[read.remote_rank][(gi, ci)]
-            if lg.tokens:
-                bl, br = lg.block_size, rg.block_size
-                g = min(bl, br)
-                pos0 = (
-                    ch.pattern.astype(np.int64) * g
-                    if ch.pattern is not None and bl > br
-                    else np.zeros(ch.size, np.int64)
-                )
-            else:
-                g, pos0 = 1, np.zeros(ch.size, np.int64)
-            tokens = ch.size * g
-            blocks = np.repeat(ch.local.astype(np.int64), g)
-            positions = np.repeat(pos0, g) + np.tile(np.arange(g, dtype=np.int64), ch.size)
-            units = len(read.remote_units)
-            nbytes = units * tokens * sec.layers * sec.run
-            item = _Item(
-                gi,
-                ci,
-                read.remote_rank,
-                read.local_units,
-                read.remote_units,
-                ch.offset,
-                tokens,
-                at,
-                nbytes,
-                blocks,
-                positions,
+        self._items = items
+        rows = {}
+        for rank, (local, remote, lengths) in runs.items():
+            pack = self.links[rank].pack
+            rows[rank] = (
+                desc_rows(local, lengths, self.staging.device_id),
+                desc_rows(remote + (pack.pool_addr + entries[rank][1]), lengths, pack.device_id),
             )
-            self._items.append(item)
-            slot_off = entries[read.remote_rank][1]
-            pack = self.links[read.remote_rank].pack
-            start = (
-                pack.pool_addr
-                + slot_off
-                + sec.offset
-                + (read.remote_units.start - sec.units.start) * sec.unit_bytes
-            )
-            if ch.offset + tokens > sec.tokens:
-                raise TransferError(f"request {self.request_id!r}: tokens read lie outside the packed copy")
-            local, remote = rows[read.remote_rank]
-            if ch.offset == 0 and tokens == sec.tokens:
-                local.append([at, nbytes, self.staging.device_id])
-                remote.append([start, nbytes, pack.device_id])
-            else:  # a suffix of the tokens: one run per unit and layer
-                run, layer = tokens * sec.run, sec.tokens * sec.run
-                for k in range(units):
-                    for i in range(sec.layers):
-                        local.append([at + (k * sec.layers + i) * run, run, self.staging.device_id])
-                        remote.append(
-                            [
-                                start + k * sec.unit_bytes + i * layer + ch.offset * sec.run,
-                                run,
-                                pack.device_id,
-                            ]
-                        )
-            at += -(-nbytes // 256) * 256
         return rows
 
     def _scatter(self) -> Outcome:
@@ -587,38 +668,7 @@ class PackedRead:
     def _scatter_all(self, base: int) -> float:
         """Scatter every item staged from ``base`` (on CUDA: queue it); returns the seconds
         it took."""
-        started = time.perf_counter()
-        copier = self.staging.copier
-        if copier is not None:  # one kernel launch for the whole pull
-            addr = self.staging.addr + base
-            runs = [
-                scatter_runs(
-                    self.views,
-                    item.group,
-                    item.component,
-                    item.local_units,
-                    addr + item.offset,
-                    item.blocks,
-                    item.positions,
-                )
-                for item in self._items
-            ]
-            if runs:
-                copier.copy(*(np.concatenate(parts) for parts in zip(*runs, strict=True)))
-            return time.perf_counter() - started
-        for item in self._items:
-            staged = self.staging.tensor[base + item.offset : base + item.offset + item.nbytes]
-            scatter(
-                self.views,
-                item.group,
-                item.component,
-                item.local_units,
-                staged,
-                item.blocks,
-                item.positions,
-                self.staging.torch_ops,
-            )
-        return time.perf_counter() - started
+        return scatter_items(self.staging, self.views, self._items, base)
 
     # -- fallback and cleanup ---------------------------------------------------------------
 

@@ -15,7 +15,9 @@ removes the silent writers' agents and settles (see docs/concepts.md for what th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from akv.backends import Backend
 from akv.errors import (
@@ -29,8 +31,13 @@ from akv.errors import (
 )
 from akv.protocol.push import PushNotice, encode_push
 from akv.runtime.paths import Failed, Outcome, PathName, Pending
+from akv.runtime.paths.packed import scatter_items
 
-__all__ = ["PushOp", "push_error"]
+if TYPE_CHECKING:
+    from akv.packing import CacheViews
+    from akv.runtime.paths.packed import Item, StagingPool
+
+__all__ = ["PackedPush", "PushOp", "push_error"]
 
 _ERRORS: dict[str, type[TransferError]] = {
     "expired": LeaseExpiredError,
@@ -157,3 +164,106 @@ class PushOp:
     def settled(self) -> bool:
         """True once no writer can still write into the pull's blocks."""
         return not self.unconfirmed
+
+    def finished(self) -> None:
+        """The pull was reported (nothing to free: the writers wrote the blocks)."""
+
+
+class PackedPush(PushOp):
+    """A pull on the push path whose writers put their packed copies into a staging range
+    this rank granted (``announce.staging``); once every writer pushed, the ranks that wrote
+    packed (``pushed`` with code ``"packed"``) are scattered into the blocks (the others
+    wrote the blocks themselves). The staging range is freed once the op is finished and no
+    writer can still write into it."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        writers: Mapping[int, str],
+        announce: PushNotice,
+        *,
+        staging: StagingPool,
+        offset: int,
+        items: Sequence[Item],
+        views: CacheViews,
+        descriptors: int,
+    ) -> None:
+        super().__init__(backend, writers, announce)
+        self.staging = staging
+        self._offset: int | None = offset
+        self.items = list(items)
+        self.views = views
+        self.descriptors = descriptors  # the writes' runs, across writers
+        self.packed_ranks: set[int] = set()  # writers that wrote their packed copy
+        self.scatter_s = 0.0
+        self._event: Any = None  # recorded after a CUDA scatter: done once it fired
+        self._scattered = False
+
+    def on_notice(self, agent: str, notice: PushNotice) -> bool:
+        """As `PushOp.on_notice`; a ``pushed`` coded ``"packed"`` marks its writer's items
+        for the scatter."""
+        taken = super().on_notice(agent, notice)
+        if taken and notice.kind == "pushed" and notice.code == "packed":
+            self.packed_ranks.add(notice.prefill_rank)
+        return taken
+
+    def poll(self) -> Outcome:
+        """`PushOp.poll`; once every writer pushed, the scatter (CUDA: queued, done once its
+        event fired); None once the blocks hold the request."""
+        outcome = super().poll()
+        if outcome is not None or self._scattered:
+            return outcome
+        if self._offset is None:  # pragma: no cover - freed only once finished
+            return Failed(TransferError(f"request {self.announce.request_id!r} has no staging range"))
+        if self._event is not None:
+            try:
+                if not self._event.query():
+                    return Pending()
+            except RuntimeError as exc:  # a CUDA error: this pull fails, the consumer runs on
+                return self._failed(exc)
+            self._event = None
+            self._scattered = True
+            return None
+        items = [item for item in self.items if item.rank in self.packed_ranks]
+        try:
+            self.scatter_s = scatter_items(self.staging, self.views, items, self._offset)
+            if self.staging.tensor.is_cuda and items:
+                import torch
+
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(self.staging.tensor.device))
+                self._event = event
+                return Pending(True)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            return self._failed(exc)
+        self._scattered = True
+        return None
+
+    def _failed(self, exc: BaseException) -> Failed:
+        self._sync()
+        return Failed(TransferError(f"scattering request {self.announce.request_id!r} failed: {exc}"))
+
+    def _sync(self) -> None:
+        """Wait for a queued scatter (it reads the staging range)."""
+        if self.staging.tensor.is_cuda:
+            import torch
+
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.current_stream(self.staging.tensor.device).synchronize()
+        self._event = None
+
+    def abort(self) -> None:
+        """As `PushOp.abort`; a queued scatter is waited for (none writes after this returns)."""
+        if self._event is not None:
+            self._sync()
+        super().abort()
+
+    def finished(self) -> None:
+        """The pull is reported: free the staging range if no writer can still write into it
+        (every writer confirmed, or this rank's agent they wrote to is gone). A writer that
+        stayed silent toward an agent still open keeps the range out of use for good."""
+        if self._offset is None:
+            return
+        if self.settled or self.backend.closed:
+            self.staging.arena.free(self._offset)
+        self._offset = None
