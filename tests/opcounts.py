@@ -68,7 +68,9 @@ def _request(s: akv.KVSpec, blocks: int, n: int) -> tuple[list[int], list[int]]:
     return remote, local
 
 
-async def _copy_or_scatter(layers: int, blocks: int, copy_with: str, packed: bool) -> Counter[str]:
+async def _copy_or_scatter(
+    layers: int, blocks: int, copy_with: str, packed: bool, push: bool = False
+) -> Counter[str]:
     s = spec(layers, blocks)
     prefill_kw: dict[str, Any] = {"transfer": "packed"} if packed else {}
     async with prefill_engine(s, 2, **prefill_kw) as engine:
@@ -80,6 +82,7 @@ async def _copy_or_scatter(layers: int, blocks: int, copy_with: str, packed: boo
             same_process="nixl" if packed else "auto",
             copy_with=copy_with,
             transfer="packed" if packed else "direct",
+            **({"mode": "push"} if push else {}),
         )
         async with consumer:
             session = await consumer.connect(engine.endpoint)
@@ -95,7 +98,7 @@ async def _copy_or_scatter(layers: int, blocks: int, copy_with: str, packed: boo
                 with counting() as ops:
                     transfer = await session.pull(req)
                     result = await transfer
-                if result.path != ("packed" if packed else "copy"):
+                if result.path != ("push" if push else "packed" if packed else "copy"):
                     raise AssertionError(f"the pull took the {result.path} path")
                 counts = ops
     return counts
@@ -109,6 +112,12 @@ def copy_ops(layers: int, blocks: int, copy_with: str = "torch") -> Counter[str]
 def scatter_ops(layers: int, blocks: int, copy_with: str = "torch") -> Counter[str]:
     """Operations of one packed pull (through NIXL) from 2 prefill ranks, the scatter included."""
     return anyio.run(_copy_or_scatter, layers, blocks, copy_with, True)
+
+
+def packed_push_ops(layers: int, blocks: int, copy_with: str = "torch") -> Counter[str]:
+    """Operations of one packed push from 2 prefill ranks (they WRITE their packed copies into
+    the staging area), the decode's scatter included."""
+    return anyio.run(_copy_or_scatter, layers, blocks, copy_with, True, True)
 
 
 async def _pack(layers: int, blocks: int, copy_with: str) -> Counter[str]:
@@ -136,6 +145,7 @@ PATHS: dict[str, Callable[[int, int, str], Counter[str]]] = {
     "copy": copy_ops,
     "pack": pack_ops,
     "scatter": scatter_ops,
+    "packed_push": packed_push_ops,
 }
 
 

@@ -16,7 +16,7 @@ import akv
 from akv import kernels
 from akv.errors import ConfigError
 from tests.opcounts import HOST_SYNCS, KERNEL_RANGE, PATHS
-from tests.transfers import PAIRINGS, pull_every_request, pull_everything
+from tests.transfers import PAIRINGS, pairs, pull_every_request, pull_everything
 
 PAIRS = [pytest.param(*v, id=k) for k, v in PAIRINGS.items()]
 
@@ -118,11 +118,46 @@ async def test_pack_and_scatter_kernels_bit_exact_on_every_pairing(
     assert all(p.metrics.counters.get("packed", 0) == 3 for p in engine.producers)
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("pspec", "dspec", "p", "d"), pairs("dense-2to1", "mla-2to3", "headmajor8-to-nhd4", "gemma3-sliding")
+)
+async def test_packed_push_scatter_kernel_bit_exact(
+    interpret: None, pspec: Any, dspec: Any, p: int, d: int
+) -> None:
+    """Packed pushes scattered by the kernel under the interpreter (the prefill packing with
+    it too) fill every decode rank bit-exact."""
+    results, engine = await pull_every_request(
+        pspec,
+        dspec,
+        p,
+        d,
+        lambda r: akv.Consumer(
+            akv.allocate_kv_cache(dspec, r, d),
+            dspec,
+            tp_rank=r,
+            tp_size=d,
+            same_process="nixl",
+            mode="push",
+            transfer="packed",
+            copy_with="torch",
+        ),
+        requests=2,
+        seed=17,
+        transfer="packed",
+        copy_with="torch",
+    )
+    assert {r.path for r in results} == {"push"}
+    assert sum(p.metrics.counters.get("packed_pushes", 0) for p in engine.producers) == sum(
+        r.reads for r in results
+    )
+
+
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_torch_ops_per_request_do_not_grow(interpret: None, path: str) -> None:
-    """One request's torch operations on the copy path, the pack and the packed scatter are
-    the same for 4, 16 and 32 layers and 16 and 128 blocks, at most 8, one kernel launch, and
-    none of them syncs the host."""
+    """One request's torch operations on the copy path, the pack, the packed scatter and a
+    packed push's scatter are the same for 4, 16 and 32 layers and 16 and 128 blocks, at most
+    8, one kernel launch, and none of them syncs the host."""
     counts = {
         (layers, blocks): PATHS[path](layers, blocks, "torch")
         for layers in (4, 16, 32)
