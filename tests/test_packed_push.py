@@ -65,17 +65,25 @@ async def test_packed_pushes_are_bit_exact(pspec: Any, dspec: Any, p: int, d: in
 
 async def test_a_writer_without_a_packed_copy_writes_the_blocks() -> None:
     """A packed push of a request its writer could not pack (pool full) is written into the
-    paged blocks by that writer: bit-exact, nothing scattered, the staging range freed."""
+    paged blocks by that writer: bit-exact, as many descriptors as a direct push, nothing
+    scattered, the staging range freed."""
     spec = make_spec(kv_heads=4)
-    reqs = make_requests(spec, 2, 3, seed=31)
-    async with prefill_engine(spec, 2, transfer="packed", pack_pool_bytes=256) as engine, pusher(spec) as c:
-        engine.expose_requests(reqs)
-        assert counter(engine, "pack_fallbacks") == 4
+    *reqs, other = make_requests(spec, 3, 3, seed=31)
+    async with (
+        prefill_engine(spec, 2, transfer="packed", pack_pool_bytes=256) as engine,
+        pusher(spec) as c,
+        pusher(spec, transfer="direct") as plain,
+    ):
+        engine.expose_requests([*reqs, other])
+        assert counter(engine, "pack_fallbacks") == 6
         session = await c.connect(engine.endpoint)
+        direct = await (
+            await (await plain.connect(engine.endpoint)).pull(other.request_id, [0, 1, 2], other.block_ids)
+        )
         for n, req in enumerate(reqs):
             local = [3 * n, 3 * n + 1, 3 * n + 2]
             result = await (await session.pull(req.request_id, local, req.block_ids))
-            assert result.path == "push"
+            assert result.path == "push" and result.descriptors == direct.descriptors  # the blocks'
             assert verify_request(c.kv_caches, spec, 0, 1, local, req.seed)
         assert counter(engine, "packed_pushes") == 0 and counter(engine, "push_writes") >= 4
         assert c.staging is not None and c.staging.arena.allocations == 0

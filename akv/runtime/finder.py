@@ -143,8 +143,16 @@ class EngineFinder:
         from akv.runtime.control import client_handshake
 
         c = self.rank
-        if self.mode == "push" and c.transfer != "direct":
-            await c.enable_packing()  # registered before the Hello: its metadata must hold it
+        if self.mode == "push" and c.transfer != "direct" and c.staging is None:
+            try:  # registered before the Hello: its metadata must hold it
+                await c.enable_packing()
+            except (AkvError, RuntimeError) as exc:  # e.g. no device memory left for it
+                if c.transfer == "packed":
+                    raise
+                self.log.warning(
+                    "no staging area for packed pushes: the prefill ranks write the paged blocks",
+                    error=str(exc),
+                )
         hello = self.hello()
         self.staging_sent = bool(hello.staging_bytes)
         return await client_handshake(

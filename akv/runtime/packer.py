@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from akv import exposure, kernels
+from akv import kernels
 from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import rank_layout
 from akv.kernels import RunCopier
-from akv.packing import Arena, CacheViews, PackDirectory, find, gather, gather_runs, sections
+from akv.packing import Arena, CacheViews, PackDirectory, gather, gather_runs, sections
 from akv.protocol.messages import PackInfo
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class Packer:
         self.views = CacheViews(kv_caches, rank_layout(cache, rank, tp_size))
         self._stream: Any = None  # the CUDA side stream of the gathers
         self.slots: dict[str, int] = {}  # request -> slot offset
+        self.published: dict[str, tuple[int, int, int]] = {}  # request -> (generation, offset, size)
         self.packed_bytes = 0
         #: one kernel launch per request (CUDA, or CPU tensors under Triton's interpreter
         #: with ``copy_with="torch"``); None: torch gathers per section and layer
@@ -166,6 +167,7 @@ class Packer:
             self.arena.free(offset)
             return False
         self.packed_bytes += size
+        self.published[request_id] = (generation, offset, size)
         return True
 
     def settle(self) -> list[tuple[str, bool]]:
@@ -191,16 +193,13 @@ class Packer:
         its gather is queued on the device; None if it has none."""
         if request_id in self.pending:
             return "pending"
-        if request_id not in self.slots:
-            return None
-        return find(
-            self.directory.array[exposure.request_hash(request_id) % self.directory.buckets], request_id
-        )
+        return self.published.get(request_id)
 
     def drop(self, request_id: str) -> bool:
         """Retire a request's copy and free its slot (once: later calls do nothing); True if
         it had one."""
         offset = self.slots.pop(request_id, None)
+        self.published.pop(request_id, None)
         if offset is None:
             return False
         pending = self.pending.pop(request_id, None)

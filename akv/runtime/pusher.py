@@ -196,9 +196,13 @@ class Pusher:
             self.producer.backend.remove_remote(agent)
 
     def _forget(self, target: _Target) -> None:
+        """End a target's grants without an answer. A grant whose WRITEs NIXL has not
+        released yet stays (ending) until it has: a ``stop`` for it meanwhile is answered
+        only then, so nothing can land after ``stopped``."""
         for grant in [g for g in self.grants.values() if g.target is target]:
             self._end(grant, None)
-            self._drop(grant)
+            if not grant.pending and not grant.reaping:
+                self._drop(grant)
         backend = self.producer.backend
         for handle in target.lists.values():
             backend.release_dlist(handle)
@@ -239,6 +243,10 @@ class Pusher:
         grant = self.grants.get((target.agent, notice.grant))
         if grant is None:  # never announced here, or finished: nothing of it can land
             self._send(target, "stopped", notice.request_id, notice.grant, notice.generation)
+            return
+        if grant.state == "ending" and grant.answer is None:  # ended unanswered (its link reset)
+            grant.target = target
+            grant.answer = self._notice(grant, "stopped")  # sent once its WRITEs are released
             return
         self._end(grant, self._notice(grant, "stopped"))
 
@@ -291,6 +299,8 @@ class Pusher:
                     self._end(
                         grant, self._notice(grant, "failed", code, f"released ({rel.reason}) while writing")
                     )
+                elif grant.state == "waiting":  # e.g. for a gather still queued: fails as released
+                    self._start(grant)
 
     # -- writing --------------------------------------------------------------------------
 

@@ -373,7 +373,7 @@ class TransferSession:
         self.metrics.inc("push_announces_sent", len(writers))  # PushOp.start sends one to each
         if staged is None:
             return PushOp(c.backend, writers, announce)
-        offset, items, descriptors = staged
+        offset, items, runs = staged
         assert c.staging is not None  # staged only with a staging area
         return PackedPush(
             c.backend,
@@ -383,10 +383,13 @@ class TransferSession:
             offset=offset,
             items=items,
             views=c.pack_views,
-            descriptors=descriptors,
+            runs=runs,
+            direct={op.remote_rank: len(li) for op, li, _ in prepared.posts},
         )
 
-    def _push_staging(self, prepared: Prepared, request_id: str) -> tuple[int, list[packed.Item], int] | None:
+    def _push_staging(
+        self, prepared: Prepared, request_id: str
+    ) -> tuple[int, list[packed.Item], dict[int, int]] | None:
         """A packed push's staging range, items and write runs, if the consumer's
         ``transfer`` picks the writers' packed copies for this pull (every writer keeps them,
         this rank's Hello named its staging area) and the staging area has room; else None
@@ -407,7 +410,7 @@ class TransferSession:
         if offset is None:
             self.metrics.inc("pack_fallbacks")
             return None
-        return offset, items, sum(int(lengths.size) for _, _, lengths in runs.values())
+        return offset, items, {r: int(lengths.size) for r, (_, _, lengths) in runs.items()}
 
     def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32], generation: int = 0) -> bytes:
         """The "done" notice of a request, with the digest of its prefill block ids (and the

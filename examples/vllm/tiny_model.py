@@ -47,8 +47,11 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build_model(out: Path, arch: str, layers: int, seed: int, dtype: str = "bfloat16") -> None:
-    """Write the config and random weights (``dtype``) of a tiny ``arch`` model to ``out``."""
+def build_model(
+    out: Path, arch: str, layers: int, seed: int, dtype: str = "bfloat16", groups: int = 1
+) -> None:
+    """Write the config and random weights (``dtype``) of a tiny ``arch`` model to ``out``
+    (``groups``: Nemotron-H's Mamba2 groups)."""
     import torch
 
     torch.manual_seed(seed)
@@ -74,7 +77,7 @@ def build_model(out: Path, arch: str, layers: int, seed: int, dtype: str = "bflo
             NemotronHConfig(
                 vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=len(pattern),
                 hybrid_override_pattern=pattern, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                mlp_hidden_act="relu2", mamba_num_heads=8, mamba_head_dim=32, n_groups=1, ssm_state_size=16,
+                mlp_hidden_act="relu2", mamba_num_heads=8, mamba_head_dim=32, n_groups=groups, ssm_state_size=16,
                 conv_kernel=4, chunk_size=64, max_position_embeddings=4096, bos_token_id=256, eos_token_id=257,
                 pad_token_id=0, tie_word_embeddings=False,
             )
@@ -109,13 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--mamba-groups",
+        type=int,
+        default=1,
+        help="nemotron_h: Mamba2 groups (n_groups); a TP size vLLM runs it at must divide it",
+    )
     args = ap.parse_args(argv)
     if args.layers < 1:
         print("tiny_model: --layers must be >= 1", file=sys.stderr)
         return 64
+    if args.mamba_groups < 1 or 8 % args.mamba_groups:
+        print("tiny_model: --mamba-groups must divide the 8 Mamba2 heads", file=sys.stderr)
+        return 64
     args.out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(args.out)
-    build_model(args.out, args.arch, args.layers, args.seed, args.dtype)
+    build_model(args.out, args.arch, args.layers, args.seed, args.dtype, args.mamba_groups)
     print(args.out)
     return 0
 

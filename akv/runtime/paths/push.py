@@ -186,18 +186,26 @@ class PackedPush(PushOp):
         offset: int,
         items: Sequence[Item],
         views: CacheViews,
-        descriptors: int,
+        runs: Mapping[int, int],
+        direct: Mapping[int, int],
     ) -> None:
         super().__init__(backend, writers, announce)
         self.staging = staging
         self._offset: int | None = offset
         self.items = list(items)
         self.views = views
-        self.descriptors = descriptors  # the writes' runs, across writers
+        self._runs = dict(runs)  # writer -> runs of its packed copy written
+        self._direct = dict(direct)  # writer -> descriptors of the blocks, if it writes them
         self.packed_ranks: set[int] = set()  # writers that wrote their packed copy
         self.scatter_s = 0.0
         self._event: Any = None  # recorded after a CUDA scatter: done once it fired
         self._scattered = False
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors the writers posted: their packed copies' runs, or the blocks' of a
+        writer that had no copy."""
+        return sum(self._runs[r] if r in self.packed_ranks else self._direct.get(r, 0) for r in self.writers)
 
     def on_notice(self, agent: str, notice: PushNotice) -> bool:
         """As `PushOp.on_notice`; a ``pushed`` coded ``"packed"`` marks its writer's items
@@ -255,7 +263,9 @@ class PackedPush(PushOp):
     def abort(self) -> None:
         """As `PushOp.abort`; a queued scatter is waited for (none writes after this returns)."""
         if self._event is not None:
-            self._sync()
+            with contextlib.suppress(RuntimeError):
+                self._event.synchronize()
+            self._event = None
         super().abort()
 
     def finished(self) -> None:
