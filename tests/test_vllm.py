@@ -363,8 +363,8 @@ def test_tensor_parallel_2_both_ways_tokens_equal_colocated(tmp_path: Path, mode
     two = launch(tmp_path, model, "both", "1|1", tp=2, vllm_args=args)
     try:
         wait_ready([one, two])
-        for i, (prefill, decode) in enumerate(((two, one), (one, two), (two, one), (one, two))):
-            n = (37, 300, 515, 1000)[i]
+        for i, (prefill, decode) in enumerate(((two, one), (one, two), (two, one))):
+            n = (37, 515, 1000)[i]
             tokens = prompt(n, seed=700 + i)
             pulled = metric(decode, "vllm:akv_pull_bytes_total")
             got = disaggregated(prefill, decode, model, tokens)

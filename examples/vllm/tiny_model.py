@@ -51,7 +51,7 @@ def build_model(
     out: Path, arch: str, layers: int, seed: int, dtype: str = "bfloat16", groups: int = 1
 ) -> None:
     """Write the config and random weights (``dtype``) of a tiny ``arch`` model to ``out``
-    (``groups``: Nemotron-H's Mamba2 groups)."""
+    (``groups``: Nemotron-H's Mamba2 groups, Qwen3-Next's Gated DeltaNet key heads)."""
     import torch
 
     torch.manual_seed(seed)
@@ -90,7 +90,7 @@ def build_model(
             Qwen3NextConfig(
                 vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                 layer_types=types, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+                linear_num_key_heads=groups, linear_num_value_heads=2 * groups, linear_key_head_dim=128,
                 linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
                 moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
                 max_position_embeddings=4096, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False,
@@ -116,14 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         "--mamba-groups",
         type=int,
         default=1,
-        help="nemotron_h: Mamba2 groups (n_groups); a TP size vLLM runs it at must divide it",
+        help="nemotron_h: Mamba2 groups (n_groups); qwen3_next: Gated DeltaNet key heads (twice as "
+        "many value heads); a TP size vLLM runs the model at must divide it",
     )
     args = ap.parse_args(argv)
     if args.layers < 1:
         print("tiny_model: --layers must be >= 1", file=sys.stderr)
         return 64
     if args.mamba_groups < 1 or 8 % args.mamba_groups:
-        print("tiny_model: --mamba-groups must divide the 8 Mamba2 heads", file=sys.stderr)
+        print("tiny_model: --mamba-groups must be 1, 2, 4 or 8", file=sys.stderr)
         return 64
     args.out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(args.out)
