@@ -88,14 +88,11 @@ async def test_copy_kernel_bit_exact_on_every_pairing(
     assert set(engine.reasons.values()) == {p}
 
 
-@pytest.mark.anyio
-@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
-async def test_pack_and_scatter_kernels_bit_exact_on_every_pairing(
-    interpret: None, pspec: Any, dspec: Any, p: int, d: int
-) -> None:
-    """The pack's and the packed scatter's kernels, under the interpreter, fill every decode
-    rank bit-exact on every pairing."""
-    results, engine = await pull_every_request(
+async def packed_under_the_interpreter(
+    pspec: Any, dspec: Any, p: int, d: int, requests: int, **consumer_kw: Any
+) -> tuple[list[akv.TransferResult], Any]:
+    """`pull_every_request` with the pack and the scatter forced onto the kernel's path."""
+    return await pull_every_request(
         pspec,
         dspec,
         p,
@@ -108,12 +105,23 @@ async def test_pack_and_scatter_kernels_bit_exact_on_every_pairing(
             same_process="nixl",
             transfer="packed",
             copy_with="torch",
+            **consumer_kw,
         ),
-        requests=3,
+        requests=requests,
         seed=11,
         transfer="packed",
         copy_with="torch",
     )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("pspec", "dspec", "p", "d"), PAIRS)
+async def test_pack_and_scatter_kernels_bit_exact_on_every_pairing(
+    interpret: None, pspec: Any, dspec: Any, p: int, d: int
+) -> None:
+    """The pack's and the packed scatter's kernels, under the interpreter, fill every decode
+    rank bit-exact on every pairing."""
+    results, engine = await packed_under_the_interpreter(pspec, dspec, p, d, 3)
     assert {r.path for r in results} == {"packed"}
     assert all(p.metrics.counters.get("packed", 0) == 3 for p in engine.producers)
 
@@ -127,26 +135,7 @@ async def test_packed_push_scatter_kernel_bit_exact(
 ) -> None:
     """Packed pushes scattered by the kernel under the interpreter (the prefill packing with
     it too) fill every decode rank bit-exact."""
-    results, engine = await pull_every_request(
-        pspec,
-        dspec,
-        p,
-        d,
-        lambda r: akv.Consumer(
-            akv.allocate_kv_cache(dspec, r, d),
-            dspec,
-            tp_rank=r,
-            tp_size=d,
-            same_process="nixl",
-            mode="push",
-            transfer="packed",
-            copy_with="torch",
-        ),
-        requests=2,
-        seed=17,
-        transfer="packed",
-        copy_with="torch",
-    )
+    results, engine = await packed_under_the_interpreter(pspec, dspec, p, d, 2, mode="push")
     assert {r.path for r in results} == {"push"}
     assert sum(p.metrics.counters.get("packed_pushes", 0) for p in engine.producers) == sum(
         r.reads for r in results
