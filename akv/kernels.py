@@ -8,6 +8,13 @@ into pieces of at most `CHUNK` elements, uploads the table once (from pinned mem
 non-blocking, on CUDA) and launches one kernel over it: a constant number of device
 operations per request.
 
+A request's pack and scatter take a second form, `RunCopier.copy_blocks`: per (group,
+component) a *template* of the runs of one block (or token), built once per layout and kept on
+the device, and per request only one base address pair per block (or token) and section. The
+kernel derives every run from them, so the host's work and the bytes uploaded per request grow
+with the blocks, not with layers x units x tokens (a 128-block NHD request of 32 layers: 524,288
+runs, which the host used to derive and upload).
+
 Addresses are taken relative to a small *anchor* tensor of the element type (the widest of
 8, 4, 2, 1 bytes that every address and length allows), so the kernel reads and writes any
 region of the device's address space, as vLLM's block-copy kernels do with a table of layer
@@ -32,7 +39,18 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CHUNK", "KERNEL_RANGE", "RunCopier", "interpreting", "merge_runs", "mode", "triton_available"]
+__all__ = [
+    "CHUNK",
+    "KERNEL_RANGE",
+    "RunCopier",
+    "Segment",
+    "Template",
+    "expand",
+    "interpreting",
+    "merge_runs",
+    "mode",
+    "triton_available",
+]
 
 #: Longest piece (in elements of the table's width) one kernel row copies.
 CHUNK = 1 << 14
@@ -46,7 +64,7 @@ _BLOCK = 1024
 
 Mode = Literal["kernel", "torch", "host"]
 
-_kernels: dict[bool, Any] = {}
+_kernels: dict[Any, Any] = {}
 _available: bool | None = None
 
 
@@ -108,6 +126,107 @@ def _kernel(interpret: bool) -> Any:
     return kernel
 
 
+def _block_kernel(interpret: bool) -> Any:
+    """The template kernel of `RunCopier.copy_blocks` (built once per interpreter setting)."""
+    key = ("blocks", interpret)
+    hit = _kernels.get(key)
+    if hit is not None:
+        return hit
+    import triton
+    import triton.language as tl
+
+    def copy_blocks(
+        dst: Any,
+        src: Any,
+        segs: Any,
+        bases: Any,
+        tmpl: Any,
+        n_segs: Any,
+        segs_per_program: Any,
+        tiles_per_program: Any,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ) -> None:
+        # pairs (entry, template row) of a segment, ROWS at a time
+        s_lo = tl.program_id(1) * segs_per_program
+        s_hi = tl.minimum(s_lo + segs_per_program, n_segs)
+        for sg in range(s_lo, s_hi):
+            first = tl.load(segs + sg * 6)
+            start = tl.load(segs + sg * 6 + 2)
+            count = tl.load(segs + sg * 6 + 3)
+            k_s = tl.load(segs + sg * 6 + 4)
+            k_d = tl.load(segs + sg * 6 + 5)
+            q_lo = tl.program_id(0) * tiles_per_program * ROWS
+            q_hi = tl.minimum(q_lo + tiles_per_program * ROWS, tl.load(segs + sg * 6 + 1) * count)
+            for q0 in range(q_lo, q_hi, ROWS):
+                q = q0 + tl.arange(0, ROWS)
+                live = q < q_hi
+                e = (first + q // count) * 2
+                r = (start + q % count) * 5
+                s = tl.load(bases + e, mask=live, other=0) + tl.load(tmpl + r, mask=live, other=0) * k_s
+                s += tl.load(tmpl + r + 1, mask=live, other=0)
+                d = (
+                    tl.load(bases + e + 1, mask=live, other=0)
+                    + tl.load(tmpl + r + 2, mask=live, other=0) * k_d
+                )
+                d += tl.load(tmpl + r + 3, mask=live, other=0)
+                k = tl.load(tmpl + r + 4, mask=live, other=0)
+                longest = tl.max(k, axis=0)
+                for i in range(0, longest, BLOCK):
+                    at = i + tl.arange(0, BLOCK)
+                    m = at[None, :] < k[:, None]
+                    v = tl.load(src + s[:, None] + at[None, :], mask=m)
+                    tl.store(dst + d[:, None] + at[None, :], v, mask=m)
+
+    kernel = _kernels[key] = triton.jit(copy_blocks)
+    return kernel
+
+
+class Template:
+    """The runs of one block (or token) of a (group, component), one row each: run ``r`` of
+    entry ``j`` of a `Segment` copies ``length[r]`` bytes from ``base_src[j] + a_src[r] * k_src
+    + b_src[r]`` to ``base_dst[j] + a_dst[r] * k_dst + b_dst[r]`` (``b_*``: addresses or
+    offsets in bytes; ``a_*``: multiples of the segment's ``k_*``)."""
+
+    def __init__(
+        self,
+        a_src: npt.NDArray[np.int64],
+        b_src: npt.NDArray[np.int64],
+        a_dst: npt.NDArray[np.int64],
+        b_dst: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+    ) -> None:
+        rows = np.empty((len(length), 5), dtype=np.int64)
+        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4] = a_src, b_src, a_dst, b_dst, length
+        self.rows = rows
+        self.width = _widest(rows[:, 1], rows[:, 3], rows[:, 4])
+        self.longest = int(rows[:, 4].max()) if len(rows) else 0
+
+
+#: One section of a request for `RunCopier.copy_blocks`: its template, per entry (block or
+#: token) the source and destination bases, and the section's ``k_src`` and ``k_dst`` (bytes).
+Segment = tuple[Template, npt.NDArray[np.int64], npt.NDArray[np.int64], int, int]
+
+
+def expand(segment: Segment) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The ``(destination, source, bytes)`` runs a segment stands for, entry by entry, row by
+    row (on the host: what the kernel derives on the device; for checks)."""
+    t, bsrc, bdst, k_src, k_dst = segment
+    a_s, b_s, a_d, b_d, n = (t.rows[:, i] for i in range(5))
+    src = np.asarray(bsrc, dtype=np.int64)[:, None] + (a_s * k_src + b_s)[None, :]
+    dst = np.asarray(bdst, dtype=np.int64)[:, None] + (a_d * k_dst + b_d)[None, :]
+    return dst.reshape(-1), src.reshape(-1), np.tile(n, len(bsrc))
+
+
+def _widest(*arrays: Any) -> int:
+    """The widest of 8, 4, 2, 1 bytes dividing every value of ``arrays``."""
+    width = 8
+    for a in arrays:
+        while width > 1 and (np.asarray(a) % width).any():
+            width //= 2
+    return width
+
+
 def merge_runs(
     dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], length: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -136,6 +255,8 @@ class RunCopier:
     def __init__(self, device: Any) -> None:
         self.device = device
         self._anchors: dict[int, tuple[Any, int]] = {}
+        #: templates on the device: (their ids, width) -> (rows, first row of each, the templates)
+        self._templates: dict[tuple[tuple[int, ...], int], tuple[Any, list[int], list[Template]]] = {}
 
     def _anchor(self, width: int) -> tuple[Any, int]:
         hit = self._anchors.get(width)
@@ -191,6 +312,82 @@ class RunCopier:
         with torch.profiler.record_function(KERNEL_RANGE):
             _kernel(interpreting())[grid](anchor, anchor, runs, rows, ROWS=per, BLOCK=block)
         return rows
+
+    def copy_blocks(self, segments: list[Segment], launch: bool = True) -> int:
+        """Queue the copy of every run the ``segments`` describe (see `Template`) with one
+        kernel launch: the templates go to the device once (kept for the next request with
+        the same ones), per request only two integers per entry (block or token) and six
+        per segment. Returns the runs launched (0: nothing to copy); ``launch=False`` stops
+        before the upload and the launch (the host's share, for measurements)."""
+        import torch
+
+        segments = [seg for seg in segments if len(seg[1]) and len(seg[0].rows)]
+        if not segments:
+            return 0
+        width = min(seg[0].width for seg in segments)
+        width = min(width, _widest(*(a for seg in segments for a in (seg[1], seg[2], seg[3], seg[4]))))
+        anchor, base = self._anchor(width)
+        tmpl, starts = self._on_device([seg[0] for seg in segments], width, torch)
+        # per segment: first entry, entries, first template row, rows, k_src, k_dst; per
+        # entry: its two bases (in elements from the anchor)
+        segs = np.empty((len(segments), 6), dtype=np.int64)
+        bases = np.empty((sum(len(seg[1]) for seg in segments), 2), dtype=np.int64)
+        at = runs = 0
+        for i, ((t, bsrc, bdst, k_src, k_dst), start) in enumerate(zip(segments, starts, strict=True)):
+            n = len(bsrc)
+            bases[at : at + n, 0] = (np.asarray(bsrc, dtype=np.int64) - base) // width
+            bases[at : at + n, 1] = (np.asarray(bdst, dtype=np.int64) - base) // width
+            segs[i] = (at, n, start, len(t.rows), k_src // width, k_dst // width)
+            at += n
+            runs += n * len(t.rows)
+        if not launch:
+            return runs
+        table = self._upload(np.concatenate([segs.reshape(-1), bases.reshape(-1)]), torch)
+        longest = max(seg[0].longest for seg in segments) // width
+        block = min(_BLOCK, 1 << max(longest - 1, 0).bit_length())
+        per = _TILE // block
+        tiles = int((-(-(segs[:, 1] * segs[:, 3]) // per)).max())
+        if interpreting():  # one program loops over everything: the interpreter pays per program
+            grid, segs_per_program, tiles_per_program = (1, 1), len(segs), tiles
+        else:  # one program per tile of a segment's (entry, template row) pairs (tiles on the
+            # grid's first axis: it takes 2**31 - 1, the others 65,535)
+            grid, segs_per_program, tiles_per_program = (tiles, len(segs)), 1, 1
+        with torch.profiler.record_function(KERNEL_RANGE):
+            _block_kernel(interpreting())[grid](
+                anchor,
+                anchor,
+                table,
+                table[segs.size :],
+                tmpl,
+                len(segs),
+                segs_per_program,
+                tiles_per_program,
+                ROWS=per,
+                BLOCK=block,
+            )
+        return runs
+
+    def _on_device(self, templates: list[Template], width: int, torch: Any) -> tuple[Any, list[int]]:
+        """The rows of ``templates`` on the device in elements of ``width`` bytes (uploaded
+        once per set of templates and width), and the first row of each."""
+        key = (tuple(id(t) for t in templates), width)
+        hit = self._templates.get(key)
+        if hit is None:
+            unique: dict[int, Template] = {id(t): t for t in templates}
+            first: dict[int, int] = {}
+            parts = []
+            at = 0
+            for tid, t in unique.items():
+                rows = t.rows.copy()
+                rows[:, 1] //= width
+                rows[:, 3] //= width
+                rows[:, 4] //= width
+                parts.append(rows)
+                first[tid] = at
+                at += len(rows)
+            table = torch.from_numpy(np.concatenate(parts).reshape(-1)).to(self.device)
+            hit = self._templates[key] = (table, [first[id(t)] for t in templates], templates)
+        return hit[0], hit[1]
 
     def _upload(self, table: npt.NDArray[np.int64], torch: Any) -> Any:
         """The table on the device: one copy from pinned memory (torch's caching host

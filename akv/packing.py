@@ -35,6 +35,7 @@ from akv import exposure
 from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import RankLayout
+from akv.kernels import Segment, Template
 
 if TYPE_CHECKING:
     import torch
@@ -49,8 +50,10 @@ __all__ = [
     "find",
     "gather",
     "gather_runs",
+    "gather_segment",
     "scatter",
     "scatter_runs",
+    "scatter_segment",
     "sections",
 ]
 
@@ -129,6 +132,7 @@ class CacheViews:
         self._views: dict[tuple[int, int], tuple[int, list[tuple[int, int, Any]]]] = {}
         self._host: dict[tuple[int, int], list[tuple[int, int, Any]]] = {}
         self._starts: dict[tuple[int, int], tuple[npt.NDArray[np.int64], int, int]] = {}
+        self._templates: dict[tuple[int, ...], tuple[Template, int]] = {}
 
     def get(self, gi: int, ci: int) -> tuple[int, list[tuple[int, int, Any]]]:
         """``(width, views)`` of component ``ci`` of group ``gi``."""
@@ -162,6 +166,43 @@ class CacheViews:
             addr = unit[:, None, None] + layer[None, :, None] + token[None, None, :]
             hit = self._starts[(gi, ci)] = (addr, p.block, p.run)
         return hit
+
+    def gather_template(self, gi: int, ci: int) -> tuple[Template, int]:
+        """The runs of one block of component ``ci`` of group ``gi`` into a packed copy, and
+        the bytes a block takes there per unit and layer (built once; see `gather_segment`)."""
+        hit = self._templates.get((0, gi, ci))
+        if hit is None:
+            addr, _, run = self.starts(gi, ci)
+            if addr.shape[2] > 1 and int(addr[0, 0, 1] - addr[0, 0, 0]) == run:  # a block's tokens: one run
+                addr, run = addr[:, :, :1], run * addr.shape[2]
+            units, layers, tokens = addr.shape
+            t = Template(
+                np.zeros(addr.size, dtype=np.int64),
+                addr.reshape(-1),
+                np.repeat(np.arange(units * layers, dtype=np.int64), tokens),
+                np.tile(np.arange(tokens, dtype=np.int64) * run, units * layers),
+                np.full(addr.size, run, dtype=np.int64),
+            )
+            hit = self._templates[(0, gi, ci)] = (t, tokens * run)
+        return hit
+
+    def scatter_template(self, gi: int, ci: int, u0: int, units: int, tokens: int) -> Template:
+        """The runs of ``tokens`` tokens (1, or a whole block when its tokens are one run) of
+        held units ``u0 .. u0 + units`` of component ``ci`` of group ``gi`` out of staged
+        bytes (built once; see `scatter_segment`)."""
+        hit = self._templates.get((1, gi, ci, u0, units, tokens))
+        if hit is None:
+            addr, _, run = self.starts(gi, ci)
+            held = addr[u0 : u0 + units, :, 0].reshape(-1)
+            t = Template(
+                np.arange(len(held), dtype=np.int64),
+                np.zeros(len(held), dtype=np.int64),
+                np.zeros(len(held), dtype=np.int64),
+                held,
+                np.full(len(held), run * tokens, dtype=np.int64),
+            )
+            hit = self._templates[(1, gi, ci, u0, units, tokens)] = (t, 0)
+        return hit[0]
 
     def _build(self, gi: int, ci: int) -> tuple[int, list[tuple[int, int, Any]]]:
         import torch
@@ -245,6 +286,50 @@ def scatter_runs(
     dst = dst.reshape(-1)
     src = staged_addr + np.arange(len(dst), dtype=np.int64) * run
     return dst, src, np.full(len(dst), run, dtype=np.int64)
+
+
+def gather_segment(
+    views: CacheViews, section: Section, block_ids: npt.NDArray[np.int32], slot_addr: int
+) -> Segment:
+    """`gather` as a `akv.kernels.Segment`: the section's template (built once) and one base
+    pair per block (the runs of `gather_runs`, in the same order)."""
+    template, per_block = views.gather_template(section.group, section.component)
+    _, block, _ = views.starts(section.group, section.component)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    dst = slot_addr + section.offset + np.arange(len(ids), dtype=np.int64) * per_block
+    return template, ids * block, dst, 0, len(ids) * per_block
+
+
+def scatter_segment(
+    views: CacheViews,
+    gi: int,
+    ci: int,
+    local_units: range,
+    staged_addr: int,
+    blocks: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+) -> Segment:
+    """`scatter` as a `akv.kernels.Segment`: a template of the held units' runs (built once)
+    and one base pair per token, or per block for whole blocks whose tokens are one run."""
+    addr, block, run = views.starts(gi, ci)
+    bs = addr.shape[2]
+    token = int(addr[0, 0, 1] - addr[0, 0, 0]) if bs > 1 else 0
+    u0 = local_units.start - views.layout.groups[gi].placements[ci].units.start
+    n = len(blocks)
+    blocks = np.asarray(blocks, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
+    whole = (
+        bs > 1
+        and token == run
+        and n % bs == 0
+        and bool((positions.reshape(-1, bs) == np.arange(bs)).all())
+        and bool((blocks.reshape(-1, bs) == blocks[::bs, None]).all())
+    )
+    tokens = bs if whole else 1
+    template = views.scatter_template(gi, ci, u0, len(local_units), tokens)
+    dst = blocks[::bs] * block if whole else blocks * block + positions * token
+    src = staged_addr + np.arange(len(dst), dtype=np.int64) * (run * tokens)
+    return template, src, dst, n * run, 0
 
 
 def gather(views: CacheViews, section: Section, block_ids: npt.NDArray[np.int32], slot: Any) -> None:

@@ -149,18 +149,21 @@ PATHS: dict[str, Callable[[int, int, str], Counter[str]]] = {
 }
 
 
-def runs_cost(layout: str) -> tuple[int, int, float]:
-    """``(bytes, runs, host ms)`` of deriving the pack's run table (`akv.packing.gather_runs`,
-    neighbours merged) for one request of 128 fragmented blocks of 16 tokens, 32 layers, 8 KV
-    heads of 128 bf16 on rank 0 of 2: the host's share of a pack, best of 3."""
+def runs_cost(layout: str) -> tuple[int, int, float, int, float]:
+    """The host's share of packing one request of 128 fragmented blocks of 16 tokens, 32
+    layers, 8 KV heads of 128 bf16 on rank 0 of 2, best of 5: ``(bytes, runs, ms deriving the
+    runs one by one (`akv.packing.gather_runs`, neighbours merged), entries, ms of the
+    segments the kernel takes instead (`akv.packing.gather_segment`, `RunCopier.copy_blocks`
+    up to its upload))``."""
     import time
 
     import numpy as np
+    import torch
 
     from akv.geometry.cache import as_cache
     from akv.geometry.layout import rank_layout
-    from akv.kernels import merge_runs
-    from akv.packing import CacheViews, gather_runs, sections
+    from akv.kernels import RunCopier, merge_runs
+    from akv.packing import CacheViews, gather_runs, gather_segment, sections
 
     s = akv.KVSpec.create(
         layers=32, num_blocks=256, block_size=16, kv_heads=8, head_dim=128, dtype="bfloat16", layout=layout
@@ -169,14 +172,21 @@ def runs_cost(layout: str) -> tuple[int, int, float]:
     views = CacheViews(akv.allocate_kv_cache(s, 0, 2), rank_layout(cache, 0, 2))
     ids = np.arange(0, 256, 2, dtype=np.int32)
     secs, size = sections(cache, 0, 2, [len(ids)])
-    best, runs = float("inf"), 0
-    for _ in range(3):
+    copier = RunCopier(torch.device("cpu"))
+    old = new = float("inf")
+    runs = entries = 0
+    for _ in range(5):
         started = time.perf_counter()
         parts = [gather_runs(views, sec, ids, 1 << 40) for sec in secs]
         dst, src, length = (np.concatenate(p) for p in zip(*parts, strict=True))
         runs = len(merge_runs(dst, src, length)[2])
-        best = min(best, time.perf_counter() - started)
-    return size, runs, 1e3 * best
+        old = min(old, time.perf_counter() - started)
+        started = time.perf_counter()
+        segments = [gather_segment(views, sec, ids, 1 << 40) for sec in secs]
+        copier.copy_blocks(segments, launch=False)
+        new = min(new, time.perf_counter() - started)
+        entries = sum(len(seg[1]) for seg in segments)
+    return size, runs, 1e3 * old, entries, 1e3 * new
 
 
 def main() -> None:
@@ -190,8 +200,11 @@ def main() -> None:
             print(f"{name:8s} blocks={blocks:4d} layers 4/16/32: {' / '.join(row)}", flush=True)
     print("host syncs:", {n: sum(fn(4, 16, "torch")[s] for s in HOST_SYNCS) for n, fn in PATHS.items()})
     for layout in ("HND", "NHD"):
-        size, runs, ms = runs_cost(layout)
-        print(f"pack run table, {layout}: {size} bytes, {runs} runs, {ms:.2f} ms on the host")
+        size, runs, ms, entries, new_ms = runs_cost(layout)
+        print(
+            f"pack on the host, {layout}, {size} bytes: run by run {runs} runs, {ms:.2f} ms; "
+            f"templates {entries} entries, {new_ms:.3f} ms"
+        )
 
 
 if __name__ == "__main__":

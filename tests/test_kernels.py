@@ -15,6 +15,7 @@ import torch
 import akv
 from akv import kernels
 from akv.errors import ConfigError
+from tests.conftest import make_spec
 from tests.opcounts import HOST_SYNCS, KERNEL_RANGE, PATHS
 from tests.transfers import PAIRINGS, pairs, pull_every_request, pull_everything
 
@@ -73,6 +74,46 @@ def test_kernel_copies_runs_bit_exact(interpret: None) -> None:
     at = np.arange(0, 1024 * 8, 64, dtype=np.int64)
     assert copier.copy(y.data_ptr() + at, x.data_ptr() + at, np.full(len(at), 64)) == 1
     assert torch.equal(x, y)
+
+
+def _sorted_merged(runs: Any) -> tuple[Any, ...]:
+    dst, src, length = (np.asarray(a, dtype=np.int64) for a in runs)
+    order = np.argsort(dst, kind="stable")
+    return tuple(a.tolist() for a in kernels.merge_runs(dst[order], src[order], length[order]))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "head-major", "cross-layer"])
+def test_templates_stand_for_the_runs_of_each_request(layout: str) -> None:
+    """A pack's and a scatter's segments (a template built once, bases per block or token)
+    stand for exactly the runs derived run by run on the host: every byte from and to the
+    same addresses, for head-sliced ranks, fragmented blocks, whole blocks, a unit subset and
+    token positions that are not whole blocks."""
+    from akv.geometry.cache import as_cache
+    from akv.geometry.layout import rank_layout
+    from akv.packing import CacheViews, gather_runs, gather_segment, scatter_runs, scatter_segment, sections
+
+    spec = make_spec(kv_heads=4, layers=3, block_size=4, head_dim=8, layout=layout, num_blocks=16)
+    cache = as_cache(spec)
+    views = CacheViews(akv.allocate_kv_cache(spec, 0, 2), rank_layout(cache, 0, 2))
+    ids = np.array([7, 2, 11], dtype=np.int32)
+    secs, _ = sections(cache, 0, 2, [len(ids)])
+    for sec in secs:
+        got = kernels.expand(gather_segment(views, sec, ids, 1 << 40))
+        assert _sorted_merged(got) == _sorted_merged(gather_runs(views, sec, ids, 1 << 40))
+    placement = views.layout.groups[0].placements[0]
+    bs = 4
+    whole_blocks = np.repeat(np.array([5, 1], dtype=np.int64), bs)
+    whole_positions = np.tile(np.arange(bs, dtype=np.int64), 2)
+    cases = [
+        (placement.units, whole_blocks, whole_positions),
+        (range(placement.units.start + 1, placement.units.stop), whole_blocks, whole_positions),
+        (placement.units, np.array([3, 3, 9], dtype=np.int64), np.array([1, 2, 0], dtype=np.int64)),
+    ]
+    for units, blocks, positions in cases:
+        for ci in range(len(secs)):
+            args = (views, 0, ci, units, 1 << 41, blocks, positions)
+            got = kernels.expand(scatter_segment(*args))
+            assert _sorted_merged(got) == _sorted_merged(scatter_runs(*args))
 
 
 @pytest.mark.anyio

@@ -21,7 +21,7 @@ from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import rank_layout
 from akv.kernels import RunCopier
-from akv.packing import Arena, CacheViews, PackDirectory, gather, gather_runs, sections
+from akv.packing import Arena, CacheViews, PackDirectory, gather, gather_segment, sections
 from akv.protocol.messages import PackInfo
 
 if TYPE_CHECKING:
@@ -139,8 +139,9 @@ class Packer:
             with torch.cuda.stream(stream) if stream is not None else _null():
                 if self.copier is not None:
                     base = int(self.pool.data_ptr()) + offset
-                    runs = [gather_runs(self.views, s, per_group[s.group], base) for s in secs]
-                    self.copier.copy(*(np.concatenate(parts) for parts in zip(*runs, strict=True)))
+                    self.copier.copy_blocks(
+                        [gather_segment(self.views, s, per_group[s.group], base) for s in secs]
+                    )
                 else:
                     for s in secs:
                         gather(self.views, s, per_group[s.group], slot)

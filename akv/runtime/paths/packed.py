@@ -17,7 +17,7 @@ Stages of one pull:
 3. ``scattering``: `akv.packing.scatter` writes the staged bytes into the paged cache,
    whatever its layout and block size (on the poller's thread, or for a large DRAM pull while
    other packed pulls are in flight in the staging pool's worker thread); on CUDA one kernel
-   launch over the pull's runs (`akv.packing.scatter_runs`, `akv.kernels`), queued, the pull
+   launch over the pull's runs (`akv.packing.scatter_segment`, `akv.kernels`), queued, the pull
    done once the event recorded after it fired (no host synchronization); the staging range is freed (exactly once, also on failure or abort:
    then only once NIXL released every read that may still land in it).
 """
@@ -41,7 +41,7 @@ from akv.errors import AkvError, BackPressureError, ConfigError, IncompatiblePee
 from akv.geometry.cache import CacheSpec
 from akv.kernels import RunCopier
 from akv.metrics import no_count
-from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, scatter_runs, sections
+from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, scatter_segment, sections
 from akv.protocol.messages import PackInfo
 from akv.runtime.paths import Failed, Outcome, PathName, Pending
 from akv.runtime.paths.read import CheckPool, NixlRead, RankCheck
@@ -324,20 +324,20 @@ def scatter_items(staging: StagingPool, views: CacheViews, items: Sequence[Item]
     copier = staging.copier
     if copier is not None:  # one kernel launch for the whole pull
         addr = staging.addr + base
-        runs = [
-            scatter_runs(
-                views,
-                item.group,
-                item.component,
-                item.local_units,
-                addr + item.offset,
-                item.blocks,
-                item.positions,
-            )
-            for item in items
-        ]
-        if runs:
-            copier.copy(*(np.concatenate(parts) for parts in zip(*runs, strict=True)))
+        copier.copy_blocks(
+            [
+                scatter_segment(
+                    views,
+                    item.group,
+                    item.component,
+                    item.local_units,
+                    addr + item.offset,
+                    item.blocks,
+                    item.positions,
+                )
+                for item in items
+            ]
+        )
         return time.perf_counter() - started
     for item in items:
         staged = staging.tensor[base + item.offset : base + item.offset + item.nbytes]
