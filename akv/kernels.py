@@ -219,12 +219,15 @@ def expand(segment: Segment) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int6
 
 
 def _widest(*arrays: Any) -> int:
-    """The widest of 8, 4, 2, 1 bytes dividing every value of ``arrays``."""
-    width = 8
+    """The widest of 8, 4, 2, 1 bytes dividing every value of ``arrays`` (arrays or ints)."""
+    bits = 0
     for a in arrays:
-        while width > 1 and (np.asarray(a) % width).any():
-            width //= 2
-    return width
+        if isinstance(a, (int, np.integer)):
+            bits |= int(a)
+        elif len(a):
+            bits |= int(np.bitwise_or.reduce(np.asarray(a, dtype=np.int64)))
+    low = bits & -bits  # the lowest bit set (0: every value is 0)
+    return 8 if not low else min(8, low)
 
 
 def merge_runs(

@@ -181,6 +181,7 @@ def runs_cost(layout: str) -> tuple[int, int, float, int, float]:
         dst, src, length = (np.concatenate(p) for p in zip(*parts, strict=True))
         runs = len(merge_runs(dst, src, length)[2])
         old = min(old, time.perf_counter() - started)
+    for _ in range(50):
         started = time.perf_counter()
         segments = [gather_segment(views, sec, ids, 1 << 40) for sec in secs]
         copier.copy_blocks(segments, launch=False)
