@@ -25,7 +25,7 @@ from tests.transfers import HeldBackend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-BLOCKS, PER_REQUEST = 512, 64  # 1 MiB blocks: 64 MiB requests
+BLOCKS, PER_REQUEST = 640, 64  # 1 MiB blocks: 64 MiB requests (8, 9: spares)
 GEOMETRY = [
     "--layers",
     "8",
@@ -135,15 +135,24 @@ async def test_stalled_writer_past_the_deadline_lands_nothing_after_the_pull_rai
     prefill: tuple[subprocess.Popen[str], str],
 ) -> None:
     """Push over TCP (the default mode there): the writer SIGSTOPped mid-push past the pull's
-    timeout and stop grace; the pull raises TransferTimeout within timeout + grace + 5 s, only
+    timeout and stop grace (a push that landed before the stop is tried again with another
+    request); the pull raises TransferTimeout within timeout + grace + 5 s, only
     once this rank replaced its agent; the blocks refilled right away stay intact for 8 s after
     the writer resumes, the writer keeps running, and a pull afterwards verifies."""
     proc, endpoint = prefill
     async with reader(endpoint, stop_grace_s=GRACE) as (reqs, kv, consumer, session):
-        poison(kv, local_ids(0), 0xFF)
-        t = await session.pull(reqs[0].request_id, local_ids(0), reqs[0].block_ids, transfer_timeout=TIMEOUT)
-        start = time.monotonic()
-        await stop_mid_push(proc, kv, local_ids(0))
+        for r in (reqs[0], reqs[8], reqs[9]):
+            poison(kv, local_ids(0), 0xFF)
+            t = await session.pull(r.request_id, local_ids(0), r.block_ids, transfer_timeout=TIMEOUT)
+            start = time.monotonic()
+            await stop_mid_push(proc, kv, local_ids(0))
+            await anyio.sleep(0.2)  # a stopped writer sends no "pushed": a pull done now was done before
+            if not t.done():
+                break
+            await t  # its push landed before the writer could be stopped: again, with a spare request
+            os.kill(proc.pid, signal.SIGCONT)
+        else:
+            pytest.fail("every push landed before its writer could be stopped")
         with pytest.raises(akv.TransferTimeout):
             with anyio.fail_after(TIMEOUT + GRACE + 10):
                 await t
