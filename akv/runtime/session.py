@@ -355,6 +355,7 @@ class TransferSession:
         (every prefill rank it reads from); its ``start`` announces it."""
         c = self.rank
         writers = {op.remote_rank: self.remote.links[op.remote_rank].agent for op, _, _ in prepared.posts}
+        staging = c.staging
         staged = self._push_staging(prepared, req.request_id)
         announce = PushNotice(
             kind="announce",
@@ -367,19 +368,18 @@ class TransferSession:
             local_ids=_ids(req.local_block_ids),
             remote_ids=_ids(req.remote_block_ids),
             num_tokens=req.num_tokens or 0,
-            staging=0 if staged is None or c.staging is None else c.staging.addr + staged[0],
+            staging=0 if staged is None or staging is None else staging.addr + staged[0],
         )
         self.poller.flush_notices()
         self.metrics.inc("push_announces_sent", len(writers))  # PushOp.start sends one to each
-        if staged is None:
+        if staged is None or staging is None:  # staged only with a staging area
             return PushOp(c.backend, writers, announce)
         offset, items, runs = staged
-        assert c.staging is not None  # staged only with a staging area
         return PackedPush(
             c.backend,
             writers,
             announce,
-            staging=c.staging,
+            staging=staging,
             offset=offset,
             items=items,
             views=c.pack_views,
