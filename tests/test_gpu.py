@@ -8,6 +8,7 @@ mixed layouts and block sizes) must verify bit-exact and release by read on both
 
 from __future__ import annotations
 
+import ctypes
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -166,3 +167,57 @@ async def test_vllm_worker_half_on_cuda_tensors() -> None:
     from tests.test_vllm_layout import worker_hand_over
 
     await anyio.to_thread.run_sync(worker_hand_over, "cuda", "token", "LBNHC")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "head-major"])
+async def test_kernels_copy_runs_and_templates_bit_exact_on_the_device(layout: str) -> None:
+    """The Triton kernels compiled for the GPU (not the interpreter): a table of runs of any
+    alignment and length, and a pack's segments (templates on the device, bases per block),
+    move exactly the bytes the host derives."""
+    import numpy as np
+
+    from akv import kernels
+    from akv.geometry.layout import rank_layout
+    from akv.packing import CacheViews, gather_segment, sections
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(5)
+    src = torch.randint(0, 256, (300_000,), dtype=torch.uint8, device=dev, generator=gen)
+    dst = torch.zeros(300_000, dtype=torch.uint8, device=dev)
+    want = dst.clone()
+    lengths = [1, 3, 17, 256, 4096, 70_000, 5, 100_000]
+    starts_d = [0, 10, 40, 300, 1000, 6000, 80_000, 100_000]
+    starts_s = [7, 100, 2, 999, 150_000, 10, 77_777, 199_999]
+    for d, s, n in zip(starts_d, starts_s, lengths, strict=True):
+        want[d : d + n] = src[s : s + n]
+    copier = kernels.RunCopier(dev)
+    assert kernels.mode("cuda", "auto") == "kernel"
+    copier.copy(
+        dst.data_ptr() + np.array(starts_d, dtype=np.int64),
+        src.data_ptr() + np.array(starts_s, dtype=np.int64),
+        np.array(lengths, dtype=np.int64),
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(dst, want)
+
+    # a pack's segments on the device against the same runs moved on the host (a CPU copy)
+    spec = make_spec(kv_heads=4, layers=3, block_size=4, head_dim=8, layout=layout, num_blocks=16)
+    cache = as_cache(spec)
+    caches = akv.allocate_kv_cache(spec, 0, 2, device="cuda")
+    for t in caches:
+        t.copy_(torch.randint(-100, 100, t.shape, device=dev, generator=gen).to(t.dtype))
+    host = [t.cpu() for t in caches]
+    views = CacheViews(caches, rank_layout(cache, 0, 2))
+    host_views = CacheViews(host, rank_layout(cache, 0, 2))
+    ids = np.array([7, 2, 11], dtype=np.int32)
+    secs, _ = sections(cache, 0, 2, [len(ids)])
+    for sec in secs:
+        out = torch.zeros(1 << 20, dtype=torch.uint8, device=dev)
+        copier.copy_blocks([gather_segment(views, sec, ids, out.data_ptr())])
+        ref = torch.zeros(1 << 20, dtype=torch.uint8)
+        for d, s, n in zip(
+            *kernels.expand(gather_segment(host_views, sec, ids, ref.data_ptr())), strict=True
+        ):
+            ctypes.memmove(int(d), int(s), int(n))
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), ref), sec
