@@ -109,7 +109,8 @@ def _kernel(interpret: bool) -> Any:
     import triton
     import triton.language as tl
 
-    def copy_runs(dst: Any, src: Any, runs: Any, n: Any, ROWS: tl.constexpr, BLOCK: tl.constexpr) -> None:
+    # no annotations but tl.constexpr: Triton's compiler resolves them (`Any` is no constexpr)
+    def copy_runs(dst, src, runs, n, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = rows < n
         d = tl.load(runs + rows * 3, mask=live, other=0)
@@ -135,18 +136,18 @@ def _block_kernel(interpret: bool) -> Any:
     import triton
     import triton.language as tl
 
-    def copy_blocks(
-        dst: Any,
-        src: Any,
-        segs: Any,
-        bases: Any,
-        tmpl: Any,
-        n_segs: Any,
-        segs_per_program: Any,
-        tiles_per_program: Any,
+    def copy_blocks(  # type: ignore[no-untyped-def]
+        dst,
+        src,
+        segs,
+        bases,
+        tmpl,
+        n_segs,
+        segs_per_program,
+        tiles_per_program,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
-    ) -> None:
+    ):
         # pairs (entry, template row) of a segment, ROWS at a time
         s_lo = tl.program_id(1) * segs_per_program
         s_hi = tl.minimum(s_lo + segs_per_program, n_segs)

@@ -48,6 +48,7 @@ __all__ = [
     "PackDirectory",
     "Section",
     "find",
+    "find_pending",
     "gather",
     "gather_runs",
     "gather_segment",
@@ -61,6 +62,8 @@ __all__ = [
 ALIGN = 256
 #: int64 words per directory entry: token, generation, offset, nbytes.
 DIR_WORDS = 4
+#: The low bits of a directory row's first word: a published copy (1), a copy being gathered (2).
+_PUBLISHED, _PENDING = 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,21 +471,44 @@ class PackDirectory:
         row = rows[free[0]]
         row[0] = 0
         row[1], row[2], row[3] = generation, offset, nbytes
-        row[0] = h << 16 | 1
+        row[0] = h << 16 | _PUBLISHED
+        return True
+
+    def mark_pending(self, request_id: str) -> bool:
+        """Record that a request's packed copy is being gathered (on the device): readers
+        that find the mark wait for the copy a little instead of reading the paged blocks
+        (`find_pending`). False if the request's bucket is full (readers then find nothing
+        and read directly). Decoders that predate the mark ignore it."""
+        h = exposure.request_hash(request_id)
+        rows = self.array[h % self.buckets]
+        free = np.flatnonzero(((rows[:, 0] >> 16) == h) | (rows[:, 0] == 0))
+        if not free.size:
+            return False
+        row = rows[free[0]]
+        row[0] = 0
+        row[1] = row[2] = row[3] = 0
+        row[0] = h << 16 | _PENDING
         return True
 
     def retire(self, request_id: str) -> None:
-        """Forget a request's packed copy (before its slot is freed)."""
+        """Forget a request's packed copy or its pending mark (before its slot is freed)."""
         h = exposure.request_hash(request_id)
         rows = self.array[h % self.buckets]
         rows[(rows[:, 0] >> 16) == h] = 0
+
+
+def find_pending(bucket: npt.NDArray[np.int64], request_id: str) -> bool:
+    """True if a directory bucket read from a prefill rank says the request's packed copy is
+    being gathered (`PackDirectory.mark_pending`)."""
+    rows = np.asarray(bucket, dtype=np.int64).reshape(exposure.SLOTS, DIR_WORDS)
+    return bool((rows[:, 0] == (exposure.request_hash(request_id) << 16 | _PENDING)).any())
 
 
 def find(bucket: npt.NDArray[np.int64], request_id: str) -> tuple[int, int, int] | None:
     """``(generation, offset, nbytes)`` of a request's packed copy in a directory bucket read
     from a prefill rank, or None if it has none."""
     rows = np.asarray(bucket, dtype=np.int64).reshape(exposure.SLOTS, DIR_WORDS)
-    mine = rows[rows[:, 0] == (exposure.request_hash(request_id) << 16 | 1)]
+    mine = rows[rows[:, 0] == (exposure.request_hash(request_id) << 16 | _PUBLISHED)]
     if not mine.size:
         return None
     return int(mine[0, 1]), int(mine[0, 2]), int(mine[0, 3])

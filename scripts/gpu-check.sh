@@ -13,7 +13,8 @@
 # exits 64 at once, with one line, having installed and written nothing.
 #
 # AKV_PYTHON: the interpreter (default python3). AKV_GPU_CHECK_BUDGET: seconds for the whole
-# run (default 470).
+# run (default 470). AKV_GPU_CHECK_STEPS: the steps to run, comma-separated (default all:
+# test_gpu,ucx,pull,large,push,packed), e.g. to rerun a failed one within a short device call.
 set -uo pipefail
 
 usage="usage: bash scripts/gpu-check.sh OUTDIR"
@@ -26,6 +27,16 @@ root=$PWD
 out=$1
 py=${AKV_PYTHON:-python3}
 budget=${AKV_GPU_CHECK_BUDGET:-470}  # seconds: 8 minutes, less the summary's
+steps=",${AKV_GPU_CHECK_STEPS:-test_gpu,ucx,pull,large,push,packed},"
+for s in ${steps//,/ }; do
+    case $s in
+    test_gpu | ucx | pull | large | push | packed) ;;
+    *)
+        echo "gpu-check: unknown step '$s' in AKV_GPU_CHECK_STEPS: name some of test_gpu,ucx,pull,large,push,packed" >&2
+        exit 64
+        ;;
+    esac
+done
 start=$SECONDS
 
 if ! command -v "$py" >/dev/null 2>&1; then
@@ -59,6 +70,9 @@ left() {
 # "NAME RC SECONDS" appended to $log/steps.
 step() {
     local name=$1 limit
+    if [ "$name" != install ] && [ "${steps#*,"$name",}" = "$steps" ]; then
+        return  # not asked for (AKV_GPU_CHECK_STEPS)
+    fi
     limit=$(left "$2")
     shift 2
     if [ "$limit" -eq 0 ]; then
@@ -123,8 +137,8 @@ EOF
 # 3. The GPU tests (12 in about 70 s on one H100).
 step test_gpu 120 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py
 
-# 4. The bench on the device, in order of what the figures are for: the standard workloads
-# but the large ones in pull mode (with the same-process one); the large ones; push mode on
+# 4. The bench on the device, in order of what the figures are for: nine standard workloads
+# in pull mode (with the same-process one); the large ones; push mode on
 # the workloads its targets name (with layerwise); packed mode where packing matters (packed
 # reads, and packed pushes beside them). A step
 # gets what is left of the budget if less than its own bound.
@@ -136,7 +150,9 @@ bench=("$py" -m akv bench --quick --device cuda --json)
 # exposure check, the packed directory): a read of host memory over tcp needs the prefill's
 # poller to progress, a round trip through a sleeping poller on every pull.
 UCX_PROTO_INFO=y step ucx 40 "${bench[@]}" --only latency
-step pull 130 "${bench[@]}" --only "$(names "not w.name.startswith('large')"),same_process"
+# (the workloads the figures are quoted for: all twenty take over 3 minutes on an H100)
+step pull 120 "${bench[@]}" --only \
+    "bulk,fragmented,prefill_tp>decode_tp,mla_prefill>decode,small_concurrent,latency,hnd_2->1_frag,headmajor_2->1_frag,same_process"
 step large 60 "${bench[@]}" --only "$(names "w.name.startswith('large')")"
 step push 80 "${bench[@]}" --mode push \
     --only "bulk,mla_prefill>decode,small_concurrent,latency,headmajor_1->2_frag,headmajor_2->1_frag,layerwise"

@@ -20,7 +20,7 @@ from akv.backends import XferHandle, XferState
 from akv.backends.nixl import NixlBackend
 from akv.geometry.cache import as_cache
 from akv.geometry.layout import rank_layout
-from akv.packing import CacheViews, scatter
+from akv.packing import CacheViews, find, scatter
 from akv.runtime.paths.packed import WORKER_BYTES
 from akv.testing import fill_request, json_lines, make_requests, verify_request
 from tests.conftest import Engine, decode_rank, make_spec, prefill_engine, prefill_rank, wait_for
@@ -538,3 +538,44 @@ def test_auto_weighs_descriptors_by_the_memory_they_move() -> None:
     spec = make_spec(kv_heads=4)
     consumer = akv.Consumer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1)
     assert (consumer.pack_threshold, consumer.pack_run_bytes) == dram  # DRAM: the measured defaults
+
+
+@pytest.mark.parametrize("published", [True, False])
+async def test_a_copy_still_being_gathered_is_waited_for_not_read_around(
+    published: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill rank's directory that says the request's copy is still being gathered (a
+    device gather queued, not yet done) makes the packed pull look again rather than read the
+    paged blocks: once the copy is published, the pull reads it packed (a few descriptors);
+    a copy that stays pending past the wait is read directly. Both bit-exact."""
+    from akv.runtime.paths import packed as packed_path
+
+    # the gather "finishes" once the decode has looked twice: wait up to 5 s for it; the copy
+    # that never finishes is given up on after 50 ms
+    monkeypatch.setattr(packed_path, "PENDING_WAIT_S", 5.0 if published else 0.05)
+    spec = make_spec(kv_heads=4)
+    req = make_requests(spec, 1, 3, seed=31)[0]
+    async with prefill_engine(spec, 1, transfer="packed") as engine, consumer_for(spec, "packed") as consumer:
+        engine.expose_requests([req])
+        directory = engine.producers[0].packer.directory
+        h = akv.exposure.request_hash(req.request_id)
+        entry = find(directory.array[h % directory.buckets], req.request_id)
+        assert entry is not None
+        assert directory.mark_pending(req.request_id)  # as a queued device gather leaves it
+        session = await consumer.connect(engine.endpoint)
+        before = consumer.metrics.counters.get("xfers_directory", 0)
+        async with anyio.create_task_group() as tg:
+            if published:
+
+                async def gathered() -> None:
+                    await wait_for(lambda: consumer.metrics.counters.get("xfers_directory", 0) >= before + 2)
+                    assert directory.publish(req.request_id, *entry)
+
+                tg.start_soon(gathered)
+            result = await (await session.pull(req.request_id, [0, 1, 2], req.block_ids))
+        assert verify_request(consumer.kv_caches, spec, 0, 1, [0, 1, 2], req.seed)
+        if published:
+            assert result.path == "packed" and result.descriptors == 2  # k and v
+        else:
+            assert result.path == "read" and result.descriptors > 2
+            assert consumer.metrics.counters["xfers_directory"] - before > 2  # it looked again

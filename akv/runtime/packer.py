@@ -156,6 +156,7 @@ class Packer:
         self.slots[request_id] = offset
         if event is not None and not self.early:
             self.pending[request_id] = (event, offset, size, generation)
+            self.directory.mark_pending(request_id)  # readers wait for it rather than read blocks
             return True
         if event is not None:  # release_after_pack: the packed copy is the only one readers get
             event.synchronize()
@@ -205,6 +206,7 @@ class Packer:
             return False
         pending = self.pending.pop(request_id, None)
         if pending is not None:  # never published; the gather may still write the slot
+            self.directory.retire(request_id)  # its pending mark
             self.freeing.append((pending[0], offset))
             return True
         self.directory.retire(request_id)

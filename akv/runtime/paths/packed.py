@@ -41,7 +41,17 @@ from akv.errors import AkvError, BackPressureError, ConfigError, IncompatiblePee
 from akv.geometry.cache import CacheSpec
 from akv.kernels import RunCopier
 from akv.metrics import no_count
-from akv.packing import DIR_WORDS, Arena, CacheViews, Section, find, scatter, scatter_segment, sections
+from akv.packing import (
+    DIR_WORDS,
+    Arena,
+    CacheViews,
+    Section,
+    find,
+    find_pending,
+    scatter,
+    scatter_segment,
+    sections,
+)
 from akv.protocol.messages import PackInfo
 from akv.runtime.paths import Failed, Outcome, PathName, Pending
 from akv.runtime.paths.read import CheckPool, NixlRead, RankCheck
@@ -85,6 +95,14 @@ DEVICE_AUTO_RUN_BYTES = 1 << 20
 #: while other packed pulls are in flight (alone, a pull scatters on the poller's thread: the
 #: hand-off costs more than it saves then, 2.0 against 2.4 GB/s on hnd_2->1_frag).
 WORKER_BYTES = 32 << 20
+
+#: A prefill rank whose directory says the request's packed copy is still being gathered on
+#: the device (`akv.packing.PackDirectory.mark_pending`) is looked up again every
+#: `PENDING_RETRY_S` for up to `PENDING_WAIT_S` from the pull's start before the pull reads
+#: the paged blocks instead: a 64 MiB gather takes well under a millisecond on an H100, the
+#: direct read of a fragmented per-layer request there 23 ms (4,096 descriptors, docs/gpu.md).
+PENDING_WAIT_S = 0.02
+PENDING_RETRY_S = 0.0002
 
 #: Bytes of one directory bucket.
 DIR_BUCKET_BYTES = exposure.SLOTS * DIR_WORDS * 8
@@ -409,6 +427,9 @@ class PackedRead:
         self._ranks = frozenset(op.remote_rank for op, _, _ in prepared.posts)
         self._lookups: dict[XferHandle, int] = {}
         self._dir_slots: dict[int, int] = {}
+        self._entries: dict[int, tuple[int, int, int]] = {}  # directory entries found so far
+        self._waiting: list[int] = []  # ranks whose copy is still being gathered
+        self._retry_at = 0.0  # when to look them up again
         self._items: list[Item] = []
         self._staged: int | None = None  # offset of the pull's staging range
         self._landed = False
@@ -454,30 +475,39 @@ class PackedRead:
         return failed
 
     def _start(self) -> Failed | None:
-        h = exposure.request_hash(self.request_id)
         for rank in sorted(self._ranks):
-            link = self.links.get(rank)
-            if link is None:
+            if rank not in self.links:
                 return self._fall_back(f"prefill rank {rank} keeps no packed copies")
+        for rank in sorted(self._ranks):
+            failed = self._look_up(rank)
+            if failed is not None:
+                return failed
+        return None
+
+    def _look_up(self, rank: int) -> Failed | None:
+        """Post the READ of ``rank``'s directory bucket (into the rank's directory slot)."""
+        link = self.links[rank]
+        slot = self._dir_slots.get(rank)
+        if slot is None:
             try:
                 slot = self.dir_pool.acquire()
             except BackPressureError as exc:
                 self.abort()
                 return Failed(exc)
             self._dir_slots[rank] = slot
-            try:
-                handle = self.backend.read(
-                    self.dir_pool.dlist,
-                    np.array([slot], dtype=np.int32),
-                    link.directory.dlist,
-                    np.array([h % link.directory.buckets], dtype=np.int32),
-                    b"",
-                )
-            except TransferError as exc:
-                self.abort()
-                return Failed(exc, rank)
-            self.count("xfers_directory", 1)
-            self._lookups[handle] = rank
+        try:
+            handle = self.backend.read(
+                self.dir_pool.dlist,
+                np.array([slot], dtype=np.int32),
+                link.directory.dlist,
+                np.array([exposure.request_hash(self.request_id) % link.directory.buckets], dtype=np.int32),
+                b"",
+            )
+        except TransferError as exc:
+            self.abort()
+            return Failed(exc, rank)
+        self.count("xfers_directory", 1)
+        self._lookups[handle] = rank
         return None
 
     def poll(self) -> Outcome:
@@ -500,6 +530,15 @@ class PackedRead:
                     changed = True
             if self._lookups:
                 return Pending(changed)
+            if self._waiting:  # copies still being gathered: look again once it is time
+                if time.perf_counter() < self._retry_at:
+                    return Pending(changed)
+                waiting, self._waiting = self._waiting, []
+                for rank in waiting:
+                    failed = self._look_up(rank)
+                    if failed is not None:
+                        return failed
+                return Pending(True)
             failed = self._post_reads()
             if failed is not None:
                 return failed
@@ -516,15 +555,23 @@ class PackedRead:
     def _post_reads(self) -> Failed | None:
         """Plan the runs from the directory entries, stage, post the reads (or fall back)."""
         now = time.perf_counter()
-        self.lookup_s, self._since = now - self._since, now
-        entries: dict[int, tuple[int, int, int]] = {}
-        for rank, slot in self._dir_slots.items():
-            entry = find(self.dir_pool.array[slot], self.request_id)
-            if entry is None:
+        entries = self._entries
+        for rank, slot in list(self._dir_slots.items()):
+            bucket = self.dir_pool.array[slot]
+            entry = find(bucket, self.request_id)
+            if entry is not None:
+                entries[rank] = entry
+                self.dir_pool.release(self._dir_slots.pop(rank))
+            elif find_pending(bucket, self.request_id) and now - self._since < PENDING_WAIT_S:
+                self._waiting.append(rank)  # being gathered: look again shortly
+            else:
                 self._free_dir_slots()
-                return self._fall_back(f"prefill rank {rank} has no packed copy of it (its pool was full)")
-            entries[rank] = entry
-        self._free_dir_slots()
+                why = "still being gathered" if find_pending(bucket, self.request_id) else "its pool was full"
+                return self._fall_back(f"prefill rank {rank} has no packed copy of it ({why})")
+        if self._waiting:
+            self._retry_at = now + PENDING_RETRY_S
+            return None
+        self.lookup_s, self._since = now - self._since, now
         gens: dict[int, int] = {}
         for rank, (gen, _, _) in entries.items():
             if self.generation and gen != self.generation & exposure.GENERATION_MASK:
