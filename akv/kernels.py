@@ -123,7 +123,7 @@ def _kernel(interpret: bool) -> Any:
             v = tl.load(src + s[:, None] + at[None, :], mask=m)
             tl.store(dst + d[:, None] + at[None, :], v, mask=m)
 
-    kernel = _kernels[interpret] = triton.jit(copy_runs)
+    kernel = _kernels[interpret] = _jit(triton, copy_runs)
     return kernel
 
 
@@ -179,8 +179,21 @@ def _block_kernel(interpret: bool) -> Any:
                     v = tl.load(src + s[:, None] + at[None, :], mask=m)
                     tl.store(dst + d[:, None] + at[None, :], v, mask=m)
 
-    kernel = _kernels[key] = triton.jit(copy_blocks)
+    kernel = _kernels[key] = _jit(triton, copy_blocks)
     return kernel
+
+
+def _jit(triton: Any, fn: Any) -> Any:
+    """``triton.jit(fn)`` compiled once per constexpr set: no variants by the integers' values
+    (Triton specializes an int argument on being 1 or a multiple of 16, which would compile the
+    kernel again for requests of other sizes) nor by the pointers' alignment (the offsets are
+    known only at run time, so it buys nothing)."""
+    names = [n for n in fn.__code__.co_varnames[: fn.__code__.co_argcount] if n not in ("ROWS", "BLOCK")]
+    ints = [n for n in names if n not in ("dst", "src", "runs", "segs", "bases", "tmpl")]
+    try:
+        return triton.jit(fn, do_not_specialize=ints, do_not_specialize_on_alignment=names)
+    except TypeError:  # a Triton without do_not_specialize_on_alignment
+        return triton.jit(fn, do_not_specialize=ints)
 
 
 class Template:
