@@ -118,6 +118,12 @@ class Methods:
                     self.fig.lookup_s += t.op.lookup_s
                     self.fig.read_s += t.op.read_s
                     self.fig.unpack_s += t.op.scatter_s
+                elif res.path == "read":
+                    read = getattr(t.op, "fallback", None) or t.op
+                    if isinstance(getattr(read, "data_s", None), float):
+                        self.fig.data_s += read.data_s
+                        self.fig.check_s += read.check_s
+                        self.fig.direct += 1
         seconds = time.perf_counter() - t0
         if record:
             latency.extend([seconds * 1e3] * len(batch))

@@ -20,13 +20,22 @@ def _transfer_columns(f: Figures) -> dict[str, Any]:
     what akv posted per request (packed reads use unprepared lists, no merging), and
     ``pack_ms`` the gather (prefill side, per request); the three stages of a packed pull,
     per packed pull: ``lookup_ms`` (the directory lookup), ``read_ms`` (the reads and the
-    exposure check), ``unpack_ms`` (the scatter)."""
+    exposure check), ``unpack_ms`` (the scatter); per pull read directly, ``data_ms`` (from
+    posting its data reads until they were seen done) and ``check_ms`` (from then until its
+    exposure check was seen verified)."""
+    stages = {}
+    if f.direct:  # where a direct pull's time goes: its data reads, then its exposure check
+        stages = {
+            "data_ms": round(1e3 * f.data_s / f.direct, 3),
+            "check_ms": round(1e3 * f.check_s / f.direct, 3),
+        }
     if f.transfer == "direct":
-        return {"transfer": "direct", "paths": dict(f.paths)}
+        return {"transfer": "direct", "paths": dict(f.paths), **stages}
     packed = max(f.paths.get("packed", 0), 1)
     return {
         "transfer": f.transfer,
         "paths": dict(f.paths),
+        **stages,
         "descriptors": round(f.descriptors_submitted, 1),
         "pack_ms": round(f.pack_ms, 3),
         "lookup_ms": round(1e3 * f.lookup_s / packed, 3),

@@ -16,6 +16,7 @@ not wait for that rank's poller.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -323,6 +324,10 @@ class NixlRead:
         self._tickets: dict[int, CheckTicket] = {}  # prefill rank -> its check (batched)
         self._notified: frozenset[int] = frozenset()  # see take_notified
         self._told = False  # the notice went out (its reads are done)
+        #: seconds of its two stages, for benchmarks: from `start` until the data reads were
+        #: seen done, and from then until the exposure check was seen verified
+        self.data_s = self.check_s = 0.0
+        self._since = 0.0
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -345,6 +350,7 @@ class NixlRead:
 
     def start(self) -> Failed | None:
         """Post the data reads; on failure nothing stays posted."""
+        self._since = time.perf_counter()
         notice = b"" if self.checks is not None else self.notice
         for post in self.posts:
             try:
@@ -379,6 +385,8 @@ class NixlRead:
             return None
         if not self.checking:
             self.checking = True
+            now = time.perf_counter()
+            self.data_s, self._since = now - self._since, now
             failed = self._post_checks()
             return failed if failed is not None else self.poll()
         if self._tickets:
@@ -395,6 +403,7 @@ class NixlRead:
         error = self._verify()
         if error is not None:
             return Failed(error)
+        self.check_s = time.perf_counter() - self._since
         self._free_slots()
         self._forget()
         return None
