@@ -33,7 +33,8 @@ the medians of the per-prompt ratios akv / nixl-tuned (``paired``), and what akv
 threads (named ``akv-N`` by the connector) cost: CPU and wake-ups per second while nothing is
 in flight (over ``--idle-s``), and CPU milliseconds and wake-ups per request under load
 (``akv_threads``; the load streams are computed by the decode instance itself and give akv
-no work).
+no work). ``--json`` also keeps every prompt's figures (``per_prompt``), so that several runs
+can be pooled.
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ async def measure_loaded(pairs: dict[str, Pair], model: str, args: argparse.Name
         a, b = rows["akv"], rows["nixl-tuned"]
         out["paired"] = {k: med([x / y for x, y in zip(a[k], b[k], strict=True) if y > 0 and not math.isnan(x)])
                          for k in ("ttft_ms", "decode_ttft_ms", "itl_ms", "load_itl_ms")}
+    out["per_prompt"] = rows  # per connector, per figure, one value per prompt (pool runs with these)
     return out
 
 
@@ -451,7 +453,8 @@ def run_loaded(args: argparse.Namespace, connectors: list[str]) -> int:
                 pair.prefill.stop()
                 pair.decode.stop()
     for key, summary in figures["loaded"].items():
-        print(f"{key:>10} under load: " + "  ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+        if key != "per_prompt":
+            print(f"{key:>10} under load: " + "  ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
     return 0
