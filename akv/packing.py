@@ -463,6 +463,18 @@ class PackDirectory:
 
     def publish(self, request_id: str, generation: int, offset: int, nbytes: int) -> bool:
         """Record a packed copy; False if the request's bucket is full (the request is not packed)."""
+        return self._write(request_id, _PUBLISHED, generation, offset, nbytes)
+
+    def mark_pending(self, request_id: str) -> bool:
+        """Record that a request's packed copy is being gathered (on the device): readers
+        that find the mark wait for the copy a little instead of reading the paged blocks
+        (`find_pending`). False if the request's bucket is full (readers then find nothing
+        and read directly). Decoders that predate the mark ignore it."""
+        return self._write(request_id, _PENDING, 0, 0, 0)
+
+    def _write(self, request_id: str, state: int, generation: int, offset: int, nbytes: int) -> bool:
+        """Write the request's row (its own, or a free one of its bucket): the first word last,
+        so that a reader never takes a half-written row for the request's."""
         h = exposure.request_hash(request_id)
         rows = self.array[h % self.buckets]
         free = np.flatnonzero(((rows[:, 0] >> 16) == h) | (rows[:, 0] == 0))
@@ -471,23 +483,7 @@ class PackDirectory:
         row = rows[free[0]]
         row[0] = 0
         row[1], row[2], row[3] = generation, offset, nbytes
-        row[0] = h << 16 | _PUBLISHED
-        return True
-
-    def mark_pending(self, request_id: str) -> bool:
-        """Record that a request's packed copy is being gathered (on the device): readers
-        that find the mark wait for the copy a little instead of reading the paged blocks
-        (`find_pending`). False if the request's bucket is full (readers then find nothing
-        and read directly). Decoders that predate the mark ignore it."""
-        h = exposure.request_hash(request_id)
-        rows = self.array[h % self.buckets]
-        free = np.flatnonzero(((rows[:, 0] >> 16) == h) | (rows[:, 0] == 0))
-        if not free.size:
-            return False
-        row = rows[free[0]]
-        row[0] = 0
-        row[1] = row[2] = row[3] = 0
-        row[0] = h << 16 | _PENDING
+        row[0] = h << 16 | state
         return True
 
     def retire(self, request_id: str) -> None:

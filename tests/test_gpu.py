@@ -179,15 +179,14 @@ async def test_kernels_copy_runs_and_templates_bit_exact_on_the_device(layout: s
     from akv import kernels
     from akv.geometry.layout import rank_layout
     from akv.packing import CacheViews, gather_segment, sections
+    from tests.test_kernels import RUNS
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(5)
     src = torch.randint(0, 256, (300_000,), dtype=torch.uint8, device=dev, generator=gen)
     dst = torch.zeros(300_000, dtype=torch.uint8, device=dev)
     want = dst.clone()
-    lengths = [1, 3, 17, 256, 4096, 70_000, 5, 100_000]
-    starts_d = [0, 10, 40, 300, 1000, 6000, 80_000, 100_000]
-    starts_s = [7, 100, 2, 999, 150_000, 10, 77_777, 199_999]
+    starts_d, starts_s, lengths = RUNS
     for d, s, n in zip(starts_d, starts_s, lengths, strict=True):
         want[d : d + n] = src[s : s + n]
     copier = kernels.RunCopier(dev)

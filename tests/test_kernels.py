@@ -79,6 +79,15 @@ def test_kernels_compile_for_the_gpu(width: int, monkeypatch: pytest.MonkeyPatch
         assert compiled.asm.get("cubin"), fn
 
 
+#: Runs of any alignment and length (longer than a kernel row's chunk too) within 300,000
+#: bytes: destination starts, source starts, lengths.
+RUNS = (
+    [0, 10, 40, 300, 1000, 6000, 80_000, 100_000],
+    [7, 100, 2, 999, 150_000, 10, 77_777, 199_999],
+    [1, 3, 17, 256, 4096, 70_000, 5, 100_000],
+)
+
+
 def test_kernel_copies_runs_bit_exact(interpret: None) -> None:
     """Runs of any alignment and length (longer than a kernel row's chunk too) land bit-exact,
     and neighbours contiguous on both sides are merged into one row."""
@@ -86,9 +95,7 @@ def test_kernel_copies_runs_bit_exact(interpret: None) -> None:
     src = torch.from_numpy(rng.integers(0, 256, 300_000, dtype=np.uint8))
     dst = torch.zeros(300_000, dtype=torch.uint8)
     want = dst.clone()
-    lengths = [1, 3, 17, 256, 4096, 70_000, 5, 100_000]
-    starts_d = [0, 10, 40, 300, 1000, 6000, 80_000, 100_000]
-    starts_s = [7, 100, 2, 999, 150_000, 10, 77_777, 199_999]
+    starts_d, starts_s, lengths = RUNS
     for d, s, n in zip(starts_d, starts_s, lengths, strict=True):
         want[d : d + n] = src[s : s + n]
     copier = kernels.RunCopier(torch.device("cpu"))
