@@ -77,13 +77,15 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
         async with decode_rank(spec, transfer_timeout=TIMEOUT, stop_grace_s=GRACE) as consumer:
             sa, sb = await consumer.connect(ep_a), await consumer.connect(ep_b)
             old_agent = sa.agents[0]
-            ta = [
-                await sa.pull(r.request_id, list(range(i * 16, i * 16 + 16)), r.block_ids)
-                for i, r in enumerate(reqs_a[:6])
-            ]
+            # the other engine's pulls first, then the victim's, killed right after they were
+            # launched: its 96 MiB are still being pushed then, however fast the machine
             tb = [
                 await sb.pull(r.request_id, list(range(128 + i * 16, 144 + i * 16)), r.block_ids)
                 for i, r in enumerate(reqs_b[:6])
+            ]
+            ta = [
+                await sa.pull(r.request_id, list(range(i * 16, i * 16 + 16)), r.block_ids)
+                for i, r in enumerate(reqs_a[:6])
             ]
             os.kill(victim.pid, signal.SIGKILL)
             killed = time.monotonic()
