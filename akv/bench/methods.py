@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from akv.bench.workloads import Figures
+from akv.runtime.paths.read import NixlRead
 
 __all__ = ["Methods", "cuda_count", "cuda_index", "torch_index"]
 
@@ -118,9 +119,9 @@ class Methods:
                     self.fig.lookup_s += t.op.lookup_s
                     self.fig.read_s += t.op.read_s
                     self.fig.unpack_s += t.op.scatter_s
-                elif res.path == "read":
+                elif res.path == "read":  # a direct read, or a packed pull's fallback to one
                     read = getattr(t.op, "fallback", None) or t.op
-                    if isinstance(getattr(read, "data_s", None), float):
+                    if isinstance(read, NixlRead):
                         self.fig.data_s += read.data_s
                         self.fig.check_s += read.check_s
                         self.fig.direct += 1

@@ -430,6 +430,7 @@ class PackedRead:
         self._entries: dict[int, tuple[int, int, int]] = {}  # directory entries found so far
         self._waiting: list[int] = []  # ranks whose copy is still being gathered
         self._retry_at = 0.0  # when to look them up again
+        self._hash = 0  # the request's hash (its directory bucket), from `start`
         self._items: list[Item] = []
         self._staged: int | None = None  # offset of the pull's staging range
         self._landed = False
@@ -475,6 +476,7 @@ class PackedRead:
         return failed
 
     def _start(self) -> Failed | None:
+        self._hash = exposure.request_hash(self.request_id)  # its directory bucket on every rank
         for rank in sorted(self._ranks):
             if rank not in self.links:
                 return self._fall_back(f"prefill rank {rank} keeps no packed copies")
@@ -500,7 +502,7 @@ class PackedRead:
                 self.dir_pool.dlist,
                 np.array([slot], dtype=np.int32),
                 link.directory.dlist,
-                np.array([exposure.request_hash(self.request_id) % link.directory.buckets], dtype=np.int32),
+                np.array([self._hash % link.directory.buckets], dtype=np.int32),
                 b"",
             )
         except TransferError as exc:
@@ -562,12 +564,14 @@ class PackedRead:
             if entry is not None:
                 entries[rank] = entry
                 self.dir_pool.release(self._dir_slots.pop(rank))
-            elif find_pending(bucket, self.request_id) and now - self._since < PENDING_WAIT_S:
-                self._waiting.append(rank)  # being gathered: look again shortly
-            else:
-                self._free_dir_slots()
-                why = "still being gathered" if find_pending(bucket, self.request_id) else "its pool was full"
-                return self._fall_back(f"prefill rank {rank} has no packed copy of it ({why})")
+                continue
+            gathering = find_pending(bucket, self.request_id)
+            if gathering and now - self._since < PENDING_WAIT_S:
+                self._waiting.append(rank)  # look again shortly
+                continue
+            self._free_dir_slots()
+            why = "still being gathered" if gathering else "its pool was full"
+            return self._fall_back(f"prefill rank {rank} has no packed copy of it ({why})")
         if self._waiting:
             self._retry_at = now + PENDING_RETRY_S
             return None
