@@ -150,7 +150,7 @@ bench=("$py" -m akv bench --quick --device cuda --json)
 # exposure check, the packed directory): a read of host memory over tcp needs the prefill's
 # poller to progress, a round trip through a sleeping poller on every pull.
 UCX_PROTO_INFO=y step ucx 40 "${bench[@]}" --only latency
-# (the workloads the figures are quoted for: all twenty take over 3 minutes on an H100)
+# (the workloads the figures are quoted for: all twenty did not finish within 130 s on an H100)
 step pull 120 "${bench[@]}" --only \
     "bulk,fragmented,prefill_tp>decode_tp,mla_prefill>decode,small_concurrent,latency,hnd_2->1_frag,headmajor_2->1_frag,same_process"
 step large 60 "${bench[@]}" --only "$(names "w.name.startswith('large')")"
