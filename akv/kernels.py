@@ -33,6 +33,7 @@ Which way a request's bytes move (`mode`):
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Literal
 
@@ -49,6 +50,7 @@ __all__ = [
     "interpreting",
     "merge_runs",
     "mode",
+    "split_rows",
     "triton_available",
 ]
 
@@ -217,6 +219,22 @@ class Template:
         self.longest = int(rows[:, 4].max()) if len(rows) else 0
 
 
+def split_rows(
+    b_src: npt.NDArray[np.int64], b_dst: npt.NDArray[np.int64], length: npt.NDArray[np.int64], limit: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Template rows (``a_*`` all 0) longer than ``limit`` bytes cut into pieces of at most
+    ``limit`` (order kept), so that one kernel program never copies a long run alone while
+    the others idle; ``limit`` a multiple of 8."""
+    pieces = np.maximum(-(-length // limit), 1)
+    if (pieces == 1).all():
+        return b_src, b_dst, length
+    row = np.repeat(np.arange(len(length)), pieces)
+    off = (
+        np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    ) * limit
+    return b_src[row] + off, b_dst[row] + off, np.minimum(length[row] - off, limit)
+
+
 #: One section of a request for `RunCopier.copy_blocks`: its template, per entry (block or
 #: token) the source and destination bases, and the section's ``k_src`` and ``k_dst`` (bytes).
 Segment = tuple[Template, npt.NDArray[np.int64], npt.NDArray[np.int64], int, int]
@@ -256,6 +274,14 @@ def merge_runs(
         return dst, src, length
     starts = np.flatnonzero(~joined)
     return dst[starts], src[starts], np.add.reduceat(length, starts)
+
+
+def _launch_range(torch: Any) -> Any:
+    """The profiler range around a launch (`KERNEL_RANGE`), only while a profiler records:
+    entering one costs about 10 us of host time per launch otherwise."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(KERNEL_RANGE)
+    return contextlib.nullcontext()
 
 
 def _dtype(width: int) -> Any:
@@ -326,7 +352,7 @@ class RunCopier:
         block = min(_BLOCK, 1 << max(int(n.max()) - 1, 0).bit_length())
         per = _TILE // block
         grid = (-(-rows // per),)
-        with torch.profiler.record_function(KERNEL_RANGE):
+        with _launch_range(torch):
             _kernel(interpreting())[grid](anchor, anchor, runs, rows, ROWS=per, BLOCK=block)
         return rows
 
@@ -369,7 +395,7 @@ class RunCopier:
         else:  # one program per tile of a segment's (entry, template row) pairs (tiles on the
             # grid's first axis: it takes 2**31 - 1, the others 65,535)
             grid, segs_per_program, tiles_per_program = (tiles, len(segs)), 1, 1
-        with torch.profiler.record_function(KERNEL_RANGE):
+        with _launch_range(torch):
             _block_kernel(interpreting())[grid](
                 anchor,
                 anchor,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -190,6 +191,55 @@ def runs_cost(layout: str) -> tuple[int, int, float, int, float]:
     return size, runs, 1e3 * old, entries, 1e3 * new
 
 
+async def _copy_host(layers: int, blocks: int, pulls: int) -> float:
+    s = akv.KVSpec.create(
+        layers=layers, num_blocks=2 * blocks + 8, block_size=16, kv_heads=8, head_dim=128, dtype="bfloat16"
+    )
+    async with prefill_engine(s, 2) as engine:
+        consumer = akv.Consumer(akv.allocate_kv_cache(s, 0, 1), s, tp_rank=0, tp_size=1, copy_with="torch")
+        async with consumer:
+            session = await consumer.connect(engine.endpoint)
+            best = float("inf")
+            for n in range(pulls + 1):  # the first pull builds what a session keeps
+                remote, local = _request(s, blocks, n)
+                for p in engine.producers:
+                    p.expose(f"r{n}", remote)
+                req = akv.PullRequest(request_id=f"r{n}", local_block_ids=local, remote_block_ids=remote)
+                started = time.perf_counter()
+                result = await (await session.pull(req))
+                if n:
+                    best = min(best, time.perf_counter() - started)
+                if result.path != "copy":
+                    raise AssertionError(f"the pull took the {result.path} path")
+    return 1e3 * best
+
+
+def copy_host_ms(layers: int = 32, blocks: int = 128, pulls: int = 20) -> float:
+    """The host's share of one same-process pull on the kernel's path (what a CUDA pull costs
+    besides the kernel itself), best of ``pulls``: 2 prefill ranks to 1 decode rank, per-layer
+    HND, 8 KV heads of 128 bf16, blocks of 16 tokens, fragmented; the kernel launch made a
+    no-op (nothing is copied: only the host's work is timed)."""
+    import os
+
+    from akv import kernels
+
+    class _NoLaunch:
+        def __getitem__(self, grid: Any) -> Callable[..., None]:
+            return lambda *args, **kwargs: None
+
+    saved = kernels._kernel, kernels._block_kernel, os.environ.get("TRITON_INTERPRET")
+    kernels._kernel = kernels._block_kernel = lambda interpret: _NoLaunch()  # type: ignore[assignment]
+    os.environ["TRITON_INTERPRET"] = "1"  # the kernel's path on CPU tensors
+    try:
+        return anyio.run(_copy_host, layers, blocks, pulls)
+    finally:
+        kernels._kernel, kernels._block_kernel = saved[0], saved[1]
+        if saved[2] is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved[2]
+
+
 def main() -> None:
     """Print the counts of every path for 4 / 16 / 32 layers and 16 / 128 blocks."""
     for name, fn in PATHS.items():
@@ -205,6 +255,10 @@ def main() -> None:
         print(
             f"pack on the host, {layout}, {size} bytes: run by run {runs} runs, {ms:.2f} ms; "
             f"templates {entries} entries, {new_ms:.3f} ms"
+        )
+    for layers, blocks in ((8, 16), (32, 16), (32, 128)):
+        print(
+            f"copy path on the host, {layers} layers, {blocks} blocks: {copy_host_ms(layers, blocks):.3f} ms per pull"
         )
 
 

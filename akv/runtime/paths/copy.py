@@ -5,12 +5,12 @@ process).
 The plan's tables are the same as the read path's: each row is one run of ``len`` bytes at
 ``addr + block * stride``, and a request's descriptor indices name (row, block) pairs on both
 sides. In DRAM the runs (neighbours contiguous on both sides merged) are memory moves made
-by one worker thread per session, off the event loop. On CUDA the same runs, from every
-prefill rank, row and layer of the request, are one table of ``(destination, source,
-bytes)`` copied by one Triton kernel launch (`akv.kernels`): one upload and one launch per
-pull, whatever the layers, blocks or ranks (``copy_with="torch"`` forces that path on CPU
-tensors, the kernel then running under Triton's interpreter when ``TRITON_INTERPRET=1`` is
-set). Without Triton, or across devices, consecutive indices sharing a row pair become one
+by one worker thread per session, off the event loop. On CUDA every run of the request, from
+every prefill rank, row and layer, is copied by one Triton kernel launch (`akv.kernels`):
+the rows of each read op's part are a template kept on the device (built on first use), and
+a pull uploads only two integers per chunk it reads, so the host's work per pull grows with
+the blocks, not with layers or heads (``copy_with="torch"`` forces that path on CPU tensors,
+the kernel then running under Triton's interpreter when ``TRITON_INTERPRET=1`` is set). Without Triton, or across devices, consecutive indices sharing a row pair become one
 gather/scatter over a strided view of the region (``[blocks, len]``, in the widest integer
 type that the run's offsets allow), or a few slice copies when the blocks are consecutive on
 both sides. The copies run on a side stream (ordered after the work already queued on the
@@ -36,13 +36,13 @@ import numpy.typing as npt
 
 from akv import exposure, kernels
 from akv.errors import TransferError
-from akv.kernels import RunCopier, merge_runs
+from akv.kernels import RunCopier, Segment, Template, merge_runs, split_rows
 from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
 
 if TYPE_CHECKING:
     import torch
 
-    from akv.plan import Prepared, TableKey
+    from akv.plan import IndexArray, Prepared, ReadOp, TableKey
     from akv.runtime.local import LocalRank
 
 __all__ = ["CopyPlan", "LocalCopy"]
@@ -54,6 +54,10 @@ INLINE_BYTES = 128 << 20
 
 #: Consecutive-block runs up to which a row pair is copied by slices rather than by index.
 MAX_SLICES = 8
+
+#: Longest run one row of the copy kernel's templates moves (longer rows are cut, so that
+#: every program of the kernel has about as much to copy).
+ROW_BYTES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,20 @@ class _Rows:
     stride: npt.NDArray[np.int64]
     count: npt.NDArray[np.int64]
     start: npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """The rows of one read op's part (one pattern) that share their block strides, as one
+    template of the copy kernel: chunk ``c`` of the request moves every template row from
+    ``c * src_stride`` past the row's source address to ``c * dst_stride`` past its
+    destination; ``*_room``: chunks every row holds (larger ids lie outside a row)."""
+
+    template: Template
+    dst_stride: int
+    src_stride: int
+    dst_room: int
+    src_room: int
 
 
 #: (destination, source, length) of byte runs
@@ -126,6 +144,8 @@ class CopyPlan:
         devices = {t.device for t in local} | {t.device for r in self.remote.values() for t in r.tensors}
         self._cpu = engine != "torch" and all(d.type == "cpu" for d in devices)
         self._kernel: RunCopier | None = None  # one kernel launch per request, on one device
+        #: per read op part (its local and remote block-0 columns): the kernel's templates
+        self._pieces: dict[tuple[int, int], tuple[Any, Any, list[_Piece]]] = {}
         if not self._cpu and len(devices) == 1:
             device = next(iter(devices))
             if kernels.mode(device.type, engine) == "kernel":
@@ -197,24 +217,24 @@ class CopyPlan:
         copier = self._kernel
         if copier is None:  # pragma: no cover - called only with a kernel
             return Failed(TransferError(f"copying request {request_id!r} failed: no copy kernel"))
-        runs = self._request_runs(prepared, request_id)
-        if isinstance(runs, Failed):
-            return runs
-        if not runs:
+        try:
+            segments = self._request_segments(prepared)
+        except ValueError as exc:
+            return Failed(TransferError(f"copying request {request_id!r} failed: {exc}"))
+        if not segments:
             return LocalCopy([], None, checks, request_id, prepared, tuple(notify), generation)
-        dst, src, length = (np.concatenate(parts) for parts in zip(*runs, strict=True))
         events = []
         try:
             if copier.device.type == "cuda":
                 stream = self._stream(copier.device)
                 stream.wait_stream(torch.cuda.current_stream(copier.device))
                 with torch.cuda.stream(stream):
-                    copier.copy(dst, src, length)
+                    copier.copy_blocks(segments)
                     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     event.record(stream)
                 events.append(event)
             else:  # Triton's interpreter: done when it returns
-                copier.copy(dst, src, length)
+                copier.copy_blocks(segments)
         except RuntimeError as exc:
             with contextlib.suppress(RuntimeError):
                 if copier.device.type == "cuda":
@@ -229,6 +249,80 @@ class CopyPlan:
             self._worker = None
 
     # -- copying ------------------------------------------------------------------------
+
+    def _request_segments(self, prepared: Prepared) -> list[Segment]:
+        """Every run of the request as the copy kernel's segments: per read op, group and
+        pattern, templates built once per plan (the rows) and per request two integers per
+        chunk; host work that grows with the chunks, not with layers, heads or prefill rows.
+        ValueError for chunk ids outside their rows."""
+        segments: list[Segment] = []
+        for op, _, _ in prepared.posts:
+            for part in op.parts:
+                ch = prepared.chunks[part.group]
+                if not ch.size:
+                    continue
+                if ch.pattern is None:
+                    picks = [(part.lcol[0], part.rcol[0], ch.local, ch.remote)]
+                else:
+                    picks = [
+                        (lb, rb, ch.local[mask], ch.remote[mask])
+                        for p, (lb, rb) in enumerate(zip(part.lcol, part.rcol, strict=True))
+                        if (mask := ch.pattern == p).any()
+                    ]
+                for lcol, rcol, local, remote in picks:
+                    lo = min(int(local.min()), int(remote.min()))
+                    for piece in self._templates(op, lcol, rcol):
+                        if (
+                            lo < 0
+                            or int(local.max()) >= piece.dst_room
+                            or int(remote.max()) >= piece.src_room
+                        ):
+                            raise ValueError("a block id lies outside its table")
+                        segments.append(
+                            (
+                                piece.template,
+                                remote.astype(np.int64) * piece.src_stride,
+                                local.astype(np.int64) * piece.dst_stride,
+                                0,
+                                0,
+                            )
+                        )
+        return segments
+
+    def _templates(self, op: ReadOp, lcol: IndexArray, rcol: IndexArray) -> list[_Piece]:
+        """The kernel's templates of one part of a read op (built on first use; the plan
+        keeps ``lcol`` and ``rcol`` for the session's life)."""
+        key = (id(lcol), id(rcol))
+        hit = self._pieces.get(key)
+        if hit is not None and hit[0] is lcol and hit[1] is rcol:
+            return hit[2]
+        lt, rt = self.rows[op.local_table], self.rows[op.remote_table]
+        sides = []
+        for rows, col in ((lt, lcol), (rt, rcol)):
+            first = np.asarray(col, dtype=np.int64).reshape(-1)
+            row = np.searchsorted(rows.start, first, side="right") - 1
+            if (row < 0).any():
+                raise ValueError("a descriptor index lies outside its table")
+            skip = first - rows.start[row]  # chunks of the row before the part's chunk 0
+            sides.append(
+                (row, rows.addr[row] + skip * rows.stride[row], rows.stride[row], rows.count[row] - skip)
+            )
+        (lrow, lbase, lstride, lroom), (rrow, rbase, rstride, rroom) = sides
+        length = lt.length[lrow]
+        if not np.array_equal(length, rt.length[rrow]):
+            raise ValueError("run lengths differ between the two sides")
+        pieces = []
+        for ls, rs in sorted(set(zip(lstride.tolist(), rstride.tolist(), strict=True))):
+            m = (lstride == ls) & (rstride == rs)
+            b_src, b_dst, n = split_rows(rbase[m], lbase[m], length[m], ROW_BYTES)
+            zero = np.zeros(len(n), dtype=np.int64)
+            pieces.append(
+                _Piece(
+                    Template(zero, b_src, zero, b_dst, n), ls, rs, int(lroom[m].min()), int(rroom[m].min())
+                )
+            )
+        self._pieces[key] = (lcol, rcol, pieces)
+        return pieces
 
     def _request_runs(self, prepared: Prepared, request_id: str) -> list[_Runs] | Failed:
         """Every run of the request, per prefill rank read (see `_cpu_runs`), or its failure."""
