@@ -10,7 +10,8 @@ every prefill rank, row and layer, is copied by one Triton kernel launch (`akv.k
 the rows of each read op's part are a template kept on the device (built on first use), and
 a pull uploads only two integers per chunk it reads, so the host's work per pull grows with
 the blocks, not with layers or heads (``copy_with="torch"`` forces that path on CPU tensors,
-the kernel then running under Triton's interpreter when ``TRITON_INTERPRET=1`` is set). Without Triton, or across devices, consecutive indices sharing a row pair become one
+the kernel then running under Triton's interpreter when ``TRITON_INTERPRET=1`` is set).
+Without Triton, or across devices, consecutive indices sharing a row pair become one
 gather/scatter over a strided view of the region (``[blocks, len]``, in the widest integer
 type that the run's offsets allow), or a few slice copies when the blocks are consecutive on
 both sides. The copies run on a side stream (ordered after the work already queued on the
