@@ -1,19 +1,17 @@
 """One copy kernel per request: a table of byte runs ``(destination, source, bytes)`` moved by
 one Triton kernel launch, whatever the layers, blocks, groups, prefill ranks or layouts.
 
-The copy path, the prefill's pack and the decode's scatter describe a request's bytes as
-runs of raw addresses, derived on the host (numpy) from tables built once per plan or
-layout. `RunCopier.copy` then merges neighbours contiguous on both sides, cuts long runs
-into pieces of at most `CHUNK` elements, uploads the table once (from pinned memory,
-non-blocking, on CUDA) and launches one kernel over it: a constant number of device
-operations per request.
+Two forms. `RunCopier.copy` takes any table of runs of raw addresses: it merges neighbours
+contiguous on both sides, cuts long runs into pieces of at most `CHUNK` elements, uploads the
+table once (from pinned memory, non-blocking, on CUDA) and launches one kernel over it.
 
-A request's pack and scatter take a second form, `RunCopier.copy_blocks`: per (group,
-component) a *template* of the runs of one block (or token), built once per layout and kept on
-the device, and per request only one base address pair per block (or token) and section. The
-kernel derives every run from them, so the host's work and the bytes uploaded per request grow
-with the blocks, not with layers x units x tokens (a 128-block NHD request of 32 layers: 524,288
-runs, which the host used to derive and upload).
+The copy path, the prefill's pack and the decode's scatter use the second,
+`RunCopier.copy_blocks`: per section (the pack's and the scatter's group and component, the
+copy path's read op part) a *template* of the runs of one block (or token), built once and
+kept on the device, and per request only one base address pair per block (or token) and six
+integers per section. The kernel derives every run from them, so the host's work and the
+bytes uploaded per request grow with the blocks, not with layers x units x tokens (a
+128-block NHD request of 32 layers: 524,288 runs, which the host used to derive and upload).
 
 Addresses are taken relative to a small *anchor* tensor of the element type (the widest of
 8, 4, 2, 1 bytes that every address and length allows), so the kernel reads and writes any

@@ -271,22 +271,15 @@ class CopyPlan:
                         if (mask := ch.pattern == p).any()
                     ]
                 for lcol, rcol, local, remote in picks:
-                    lo = min(int(local.min()), int(remote.min()))
+                    if min(int(local.min()), int(remote.min())) < 0:
+                        raise ValueError("a block id lies outside its table")
+                    lmax, rmax = int(local.max()), int(remote.max())
+                    l64, r64 = local.astype(np.int64), remote.astype(np.int64)
                     for piece in self._templates(op, lcol, rcol):
-                        if (
-                            lo < 0
-                            or int(local.max()) >= piece.dst_room
-                            or int(remote.max()) >= piece.src_room
-                        ):
+                        if lmax >= piece.dst_room or rmax >= piece.src_room:
                             raise ValueError("a block id lies outside its table")
                         segments.append(
-                            (
-                                piece.template,
-                                remote.astype(np.int64) * piece.src_stride,
-                                local.astype(np.int64) * piece.dst_stride,
-                                0,
-                                0,
-                            )
+                            (piece.template, r64 * piece.src_stride, l64 * piece.dst_stride, 0, 0)
                         )
         return segments
 
