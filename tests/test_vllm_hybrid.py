@@ -1,9 +1,10 @@
 """akv inside real vLLM engines on hybrid state-space models (vLLM's CPU build): a Mamba2 +
 attention model (Nemotron-H, float32) and a Gated DeltaNet + attention model (Qwen3-Next,
-bf16: vLLM's CPU GDN kernel takes nothing else), built by the test with 2 Mamba2 groups / 2
-key heads, so that TP 2 splits their groups and heads as well as the attention KV heads. Per
-model a TP-1 and a TP-2 instance (both ``kv_both``), each on its own core (both TP ranks of
-the TP-2 instance share core 1); every request goes prefill TP 1 -> decode TP 2 or TP 2 -> TP 1."""
+bf16: vLLM's CPU GDN kernel takes nothing else), built by the test: Nemotron-H with one Mamba2
+group, which vLLM at TP 2 replicates on both ranks, Qwen3-Next with 2 key heads, which TP 2
+splits, beside the attention KV heads. Per model a TP-1 and a TP-2 instance (both ``kv_both``),
+each on its own core (both TP ranks of the TP-2 instance share core 1); every request goes
+prefill TP 1 -> decode TP 2 or TP 2 -> TP 1."""
 
 from __future__ import annotations
 
@@ -39,23 +40,32 @@ from tests.test_vllm import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the first test also starts both instances
 
-#: arch -> (model dtype, vLLM arguments). Nemotron-H: vLLM's CPU Mamba2 kernel dies on long
-#: prompts with prefix caching on (docs/vllm.md), so it runs without.
+#: arch -> (model dtype, Mamba2 groups / GDN key heads, vLLM arguments). Nemotron-H: vLLM's CPU
+#: Mamba2 kernel dies on long prompts with prefix caching on (docs/vllm.md), so it runs without.
 ARCHS = {
-    "nemotron_h": ("float32", [*FAST, "--dtype", "float32", "--no-enable-prefix-caching"]),
-    "qwen3_next": ("bfloat16", FAST),
+    "nemotron_h": ("float32", 1, [*FAST, "--dtype", "float32", "--no-enable-prefix-caching"]),
+    "qwen3_next": ("bfloat16", 2, FAST),
 }
-#: arch -> (attention block size, bytes of one attention block, state bytes of one request over
-#: its layers), with 2 groups / key heads (vLLM sizes the attention block so that its page holds
-#: a state page: Qwen3-Next's is 384 tokens here at TP 1 and TP 2 alike; vLLM pads each state
-#: page to the attention page, akv moves the state without the padding). Nemotron-H: 1
-#: attention layer (4 KV heads of 32, float32), 2 Mamba2 layers: conv x (8 heads x 32) + B and
-#: C (2 groups x 16 each) over 3 taps, SSM 8 x 32 x 16. Qwen3-Next: 1 attention layer (2 KV
-#: heads of 64, bf16), 3 GDN layers: conv q and k (2 key heads x 128 each) + v (4 value heads x
-#: 128) over 3 taps, state 4 x 128 x 128.
+#: arch -> (attention block size, bytes of one attention block, {decode TP: state bytes of one
+#: request over its layers, summed over the decode ranks}). vLLM sizes the attention block so
+#: that its page holds a state page (Qwen3-Next's is 384 tokens here at TP 1 and TP 2 alike);
+#: it pads each state page to the attention page, akv moves the state without the padding.
+#: Nemotron-H: 1 attention layer (4 KV heads of 32, float32), 2 Mamba2 layers: conv x (8 heads
+#: x 32) + B and C (1 group x 16 each, held by both ranks at TP 2, so both decode ranks pull
+#: them) over 3 taps, SSM 8 x 32 x 16. Qwen3-Next: 1 attention layer (2 KV heads of 64, bf16),
+#: 3 GDN layers: conv q and k (2 key heads x 128 each) + v (4 value heads x 128) over 3 taps,
+#: state 4 x 128 x 128.
 PULLED = {
-    "nemotron_h": (128, 128 * 4 * 2 * 32 * 4, 2 * ((8 * 32 + 2 * 2 * 16) * 3 + 8 * 32 * 16) * 4),
-    "qwen3_next": (384, 384 * 2 * 2 * 64 * 2, 3 * ((2 * 128 * 2 + 4 * 128) * 3 + 4 * 128 * 128) * 2),
+    "nemotron_h": (
+        128,
+        128 * 4 * 2 * 32 * 4,
+        {tp: 2 * ((8 * 32 + tp * 2 * 16) * 3 + 8 * 32 * 16) * 4 for tp in (1, 2)},
+    ),
+    "qwen3_next": (
+        384,
+        384 * 2 * 2 * 64 * 2,
+        {tp: 3 * ((2 * 128 * 2 + 4 * 128) * 3 + 4 * 128 * 128) * 2 for tp in (1, 2)},
+    ),
 }
 NEAR_TIE = 0.1  # bf16: a top-2 log-probability margin at most this is a near-tie (docs/vllm.md)
 
@@ -74,10 +84,10 @@ class Hybrid:
 @pytest.fixture(scope="module", params=list(ARCHS))
 def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hybrid]:
     arch = request.param
-    dtype, args = ARCHS[arch]
+    dtype, groups, args = ARCHS[arch]
     model = tmp_path_factory.mktemp(arch)
     build = [sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(model), "--arch", arch]
-    subprocess.run([*build, "--dtype", dtype, "--mamba-groups", "2"], check=True, capture_output=True)
+    subprocess.run([*build, "--dtype", dtype, "--mamba-groups", str(groups)], check=True, capture_output=True)
     tmp = tmp_path_factory.mktemp(f"{arch}-logs")
     kw: dict[str, Any] = dict(
         vllm_args=args, failure_policy="recompute", extra={"transfer_timeout": 5.0, "connect_timeout": 2.0}
@@ -145,7 +155,7 @@ def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybri
         time.sleep(1.5)  # vLLM publishes its stats on an interval
         want = external + n - 1
         assert wait_metric(decode, name, want, source="external_kv_transfer") == want, (n, way)
-        want = pulled + -(-(n - 1) // block) * block_bytes + state_bytes
+        want = pulled + -(-(n - 1) // block) * block_bytes + state_bytes[2 if decode is h.two else 1]
         assert wait_metric(decode, "vllm:akv_pull_bytes_total", want) == want, (n, way)
     for inst in (h.one, h.two):
         assert wait_metric(inst, "vllm:kv_cache_usage_perc", 0.0) == 0.0

@@ -429,6 +429,87 @@ async def test_pull_state_and_attention_groups_sharing_tensors() -> None:
     assert not conv_d[4].any() and not ssm_d[6].any() and bool((pad[5] == 7).all())
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("groups", [1, 2], ids=["one-group-replicated", "two-groups-split"])
+@pytest.mark.parametrize(("P", "D"), [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+async def test_mamba2_state_across_tp_with_groups_replicated_or_split(P: int, D: int, groups: int) -> None:
+    """A Mamba2 state slot pulled across TP sizes, each rank's conv state and SSM state shaped as
+    vLLM shapes them at its TP size: with one group (vLLM gives every rank of TP 2 a copy of its
+    B and C channels) and with two (each rank one group). Every decode rank ends with its own
+    heads' x channels and SSM state and its groups' B and C, byte for byte."""
+    H, HD, ST, TAPS = 8, 32, 16, 3
+    g = torch.Generator().manual_seed(P * 10 + groups)
+    x = torch.randn(H, HD, TAPS, generator=g)  # per head: head_dim channels x taps
+    bc = torch.randn(2, groups, ST, TAPS, generator=g)  # B, C per group
+    ssm = torch.randn(H, HD, ST, generator=g)
+
+    def rank_state(r: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = slice(r * H // tp, (r + 1) * H // tp)
+        mine = bc if groups < tp else bc[:, r * groups // tp : (r + 1) * groups // tp]
+        conv = torch.cat([x[heads].reshape(-1, TAPS), mine[0].reshape(-1, TAPS), mine[1].reshape(-1, TAPS)])
+        return conv, ssm[heads]
+
+    def rank_spec(tp: int) -> Any:
+        per_rank_groups = max(groups // tp, 1)
+        return mamba_spec(
+            "mamba2", shapes=((H // tp * HD + 2 * per_rank_groups * ST, TAPS), (H // tp, HD, ST))
+        )
+
+    name = "model.layers.0.mixer"
+    remote, local = {"g1": [3]}, {"g1": [5]}
+    async with AsyncExitStack() as stack:
+        server = akv.ControlServer()
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        await tg.start(server.serve)
+        for r in range(P):
+            spec = rank_spec(P)
+            _, pieces = state_pieces(spec, P, True, n_groups=groups)
+            kv, states = state_caches(spec, [name], page=spec.page_size_bytes)
+            conv, temporal = rank_state(r, P)
+            states[0][0][3].copy_(conv)
+            states[0][1][3].copy_(temporal)
+            cache, regions = describe(
+                kv, [LayerGroup("g1", "mamba2", (name,), 0, 0, pieces=pieces)], content="block"
+            )
+            producer = await stack.enter_async_context(
+                akv.Producer(regions, cache, tp_rank=r, tp_size=P, engine_id="vllm-p", server=server)
+            )
+            producer.expose("req", remote, generation=4)
+        for d in range(D):
+            spec = rank_spec(D)
+            _, pieces = state_pieces(spec, D, True, n_groups=groups)
+            kv, states = state_caches(spec, [name], page=spec.page_size_bytes)
+            cache, regions = describe(
+                kv, [LayerGroup("g1", "mamba2", (name,), 0, 0, pieces=pieces)], content="block"
+            )
+            async with akv.Consumer(regions, cache, tp_rank=d, tp_size=D, same_process="nixl") as consumer:
+                session = await consumer.connect(str(server.endpoint))
+                req = akv.PullRequest(
+                    request_id="req", local_block_ids=local, remote_block_ids=remote, generation=4
+                )
+                assert (await (await session.pull(req))).path == "read"
+            conv, temporal = rank_state(d, D)
+            assert torch.equal(states[0][0][5], conv), d
+            assert torch.equal(states[0][1][5], temporal), d
+            assert not states[0][0][4].any() and not states[0][1][6].any()
+        tg.cancel_scope.cancel()
+
+
+def test_mamba2_group_count_is_read_where_one_group_per_rank_is_ambiguous() -> None:
+    """One Mamba2 group per rank at TP 2 is either two groups split or one replicated: without
+    the model's n_groups that is a ConfigError naming the config key; a count that is neither is
+    refused too; at TP 1 or with several groups per rank no count is needed."""
+    spec = mamba_spec("mamba2")  # one group per rank
+    with pytest.raises(akv.ConfigError, match="n_groups"):
+        state_pieces(spec, 2, True)
+    with pytest.raises(akv.ConfigError, match="split evenly"):
+        state_pieces(spec, 2, True, n_groups=4)
+    by_name = {p.name: p.units for p in state_pieces(spec, 2, True, n_groups=1)[1]}
+    assert by_name == {"x": 16, "B": 1, "C": 1, "ssm": 16}
+    assert {p.name: p.units for p in state_pieces(spec, 2, True, n_groups=2)[1]}["B"] == 2
+    assert {p.name: p.units for p in state_pieces(spec, 1, True)[1]}["B"] == 1
+
+
 def test_scheduler_hybrid_state_slot_and_truncation() -> None:
     """A hybrid model: prefill drops the prompt's last token and ends after one output token;
     it exposes the request's running state slot (the last live one) beside its attention

@@ -38,6 +38,17 @@ class AkvConnectorMetadata(ConnectorMeta, KVConnectorMetadata):
     """One step's orders to the workers (see [`ConnectorMeta`][akv.integrations.vllm.params.ConnectorMeta])."""
 
 
+def mamba_groups(model_config: Any) -> int | None:
+    """The model's Mamba2 group count from its config (the names vLLM's Mamba2 models read),
+    or None where it names none."""
+    cfg = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    for key in ("n_groups", "mamba_n_groups", "mamba_ngroups"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def layer_groups(vllm_config: Any, kv_cache_config: Any) -> list[LayerGroup]:
     """vLLM's KV-cache groups as akv groups (full, sliding window or MLA attention; Mamba2
     and Gated DeltaNet state)."""
@@ -50,7 +61,7 @@ def layer_groups(vllm_config: Any, kv_cache_config: Any) -> list[LayerGroup]:
             from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
             tp = int(vllm_config.parallel_config.tensor_parallel_size)
-            skind, pieces = state_pieces(spec, tp, is_conv_state_dim_first())
+            skind, pieces = state_pieces(spec, tp, is_conv_state_dim_first(), mamba_groups(mc))
             out.append(LayerGroup(f"g{i}", skind, tuple(g.layer_names), 0, 0, pieces=pieces))
             continue
         # A FullAttentionSpec may carry a sliding_window (vLLM without its hybrid allocator keeps

@@ -71,11 +71,15 @@ class StatePiece:
         name: the akv component name.
         units: global units (heads or groups) over all TP ranks.
         unit_bytes: bytes of one unit in one state slot.
+        shard: how vLLM spreads the units over TP ranks: ``"split"`` (each rank its share), or
+            ``"heads"`` (split when there are at least as many units as ranks, else every rank
+            holds them all: a Mamba2 model with one group replicates it on every rank).
     """
 
     name: str
     units: int
     unit_bytes: int
+    shard: Literal["split", "heads"] = "split"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,14 +115,17 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def state_pieces(
-    spec: Any, tp_size: int, conv_dim_first: bool
+    spec: Any, tp_size: int, conv_dim_first: bool, n_groups: int | None = None
 ) -> tuple[Literal["mamba2", "gdn"], tuple[StatePiece, ...]]:
     """A ``MambaSpec``'s akv kind and the pieces of its page, derived from vLLM's own state
     shapes and dtypes on one of ``tp_size`` ranks (conv state ``(dim, taps)``, as vLLM stores
     it with ``VLLM_SSM_CONV_STATE_LAYOUT=DS``; then the temporal state).
 
     - Mamba2: conv channels ``x`` (heads x head_dim) | ``B`` | ``C`` (groups x state);
-      SSM state ``(heads, head_dim, state)``.
+      SSM state ``(heads, head_dim, state)``. ``n_groups`` is the model's own group count
+      (its config's ``n_groups``): vLLM splits the groups over the ranks when the TP size
+      divides them, and gives every rank the one group of a single-group model. One group per
+      rank at TP > 1 can be either, so there ``n_groups`` is required.
     - Gated DeltaNet: conv channels ``q`` | ``k`` (key heads x key dim) | ``v`` (value heads x
       value dim); recurrent state ``(value heads, value dim, key dim)``.
     """
@@ -148,10 +155,23 @@ def state_pieces(
             raise ConfigError(
                 f"AkvConnector: Mamba2 conv dim {dim} is not heads x head_dim + 2 x groups x state"
             )
+        if n_groups is None and groups == 1 and tp_size > 1:
+            raise ConfigError(
+                f"AkvConnector: one Mamba2 group per rank at TP {tp_size} is either {tp_size} groups split "
+                "or one group replicated on every rank, and the model config names no n_groups "
+                "(n_groups, mamba_n_groups or mamba_ngroups): add it to the model's config.json"
+            )
+        total = groups * tp_size if n_groups is None else n_groups
+        if total not in (1, groups * tp_size):
+            raise ConfigError(
+                f"AkvConnector: the model has {n_groups} Mamba2 groups, but each of the {tp_size} "
+                f"ranks holds {groups}: akv moves groups split evenly over the ranks or one group "
+                "replicated on each"
+            )
         pieces = (
             StatePiece("x", heads * tp_size, head_dim * taps * cb),
-            StatePiece("B", groups * tp_size, state * taps * cb),
-            StatePiece("C", groups * tp_size, state * taps * cb),
+            StatePiece("B", total, state * taps * cb, shard="heads"),
+            StatePiece("C", total, state * taps * cb, shard="heads"),
             StatePiece("ssm", heads * tp_size, head_dim * state * sb),
         )
         return "mamba2", pieces
@@ -321,7 +341,7 @@ def describe(
             # one int8 page per slot and layer: conv channels (DS: each channel's taps
             # together), then the temporal state; every piece split on its own heads / groups
             comps: tuple[Component, ...] = tuple(
-                Component(name=p.name, units=p.units, unit_elems=p.unit_bytes, shard="split", tensor="page")
+                Component(name=p.name, units=p.units, unit_elems=p.unit_bytes, shard=p.shard, tensor="page")
                 for p in g.pieces
             )
             slot_stride = int((axes or "state:0").split(":")[1])
