@@ -145,6 +145,7 @@ def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybri
     name = "vllm:prompt_tokens_by_source_total"
     block, block_bytes, state_bytes = PULLED[h.arch]
     cases = [(n, way) for n in (37, 300) for way in h.ways()] + [(900, h.ways()[0])]
+    cases.append((300, (h.one, h.one, "tp1->tp1 (one instance)")))
     for i, (n, (prefill, decode, way)) in enumerate(cases):
         external = metric(decode, name, source="external_kv_transfer")
         pulled = metric(decode, "vllm:akv_pull_bytes_total")
