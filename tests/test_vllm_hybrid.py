@@ -135,7 +135,8 @@ def assert_equal(h: Hybrid, got: list[int], want: tuple[list[int], list[float]],
 
 
 def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybrid) -> None:
-    """Greedy tokens through prefill -> akv -> decode, TP 1 -> TP 2 and TP 2 -> TP 1, equal the
+    """Greedy tokens through prefill -> akv -> decode, TP 1 -> TP 2 and TP 2 -> TP 1 (and once
+    from the TP-1 instance to itself, akv's same-process copy path), equal the
     decode instance's colocated run for prompt lengths around and past the block size; decode
     counts all but each prompt's last token as external KV (it computes that one from the
     pulled state), akv pulls those tokens' attention blocks and each state slot whole (every
