@@ -430,6 +430,68 @@ async def test_pull_state_and_attention_groups_sharing_tensors() -> None:
 
 
 @pytest.mark.anyio
+async def test_pull_full_sliding_and_state_groups_sharing_tensors() -> None:
+    """A model with full attention, sliding-window attention and Mamba2 layers, as vLLM's
+    hybrid allocator lays them out (one tensor shared by a layer of each group, a block id one
+    group's at a time): one pull moves the full group's blocks, the sliding group's window and
+    the state slot whole, and leaves the rest of the pool alone (a sliding block before the
+    window is not read; blocks move whole)."""
+    spec = mamba_spec("mamba2")
+    _, pieces = state_pieces(spec, 1, True)
+    full, sliding, mamba = "model.layers.0.attn", "model.layers.1.attn", "model.layers.2.mixer"
+    tokens, window = 128, 100
+    page = HEADS * tokens * 2 * HS * 4  # the float32 attention page (holds the state page)
+    n = 2 * tokens - 5  # the window (tokens 151 to 250) lies in the sequence's second block
+
+    def caches() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        raw = torch.zeros(NB * page, dtype=torch.int8)
+        attn = raw.view(torch.float32).view(NB, HEADS, tokens, 2 * HS)
+        c = spec.page_size_bytes
+        return {full: attn, sliding: attn, mamba: raw.as_strided((NB, 1, 1, c), (page, c, c, 1), 0)}, raw
+
+    groups = [
+        LayerGroup("g0", "full", (full,), HEADS, HS),
+        LayerGroup("g1", "sliding", (sliding,), HEADS, HS, window=window),
+        LayerGroup("g2", "mamba2", (mamba,), 0, 0, pieces=pieces),
+    ]
+    remote = {"g0": [1, 2], "g1": [0, 4], "g2": [6]}
+    local = {"g0": [3, 7], "g1": [1, 0], "g2": [5]}
+    kv_p, raw_p = caches()
+    kv_d, raw_d = caches()
+    pages_p = raw_p.view(NB, page)
+    for b in (0, 1, 2, 4):
+        kv_p[full][b].copy_(torch.randn(HEADS, tokens, 2 * HS))
+    pages_p[6, : spec.page_size_bytes].copy_(torch.randn(spec.page_size_bytes // 4).view(torch.int8))
+    pages_d = raw_d.view(NB, page)
+    pages_d.fill_(7)  # what decode's blocks held before: left alone outside what the pull fills
+    async with AsyncExitStack() as stack:
+        server = akv.ControlServer()
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        await tg.start(server.serve)
+        cache, regions = describe(kv_p, groups, content="block")
+        producer = await stack.enter_async_context(
+            akv.Producer(regions, cache, tp_rank=0, tp_size=1, engine_id="vllm-p", server=server)
+        )
+        producer.expose("req", remote, generation=5)
+        cache, regions = describe(kv_d, groups, content="block")
+        async with akv.Consumer(regions, cache, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+            session = await consumer.connect(str(server.endpoint))
+            req = akv.PullRequest(
+                request_id="req", local_block_ids=local, remote_block_ids=remote, generation=5, num_tokens=n
+            )
+            assert (await (await session.pull(req))).path == "read"
+        tg.cancel_scope.cancel()
+    attn_p, attn_d = kv_p[full], kv_d[full]
+    for lb, rb in ((3, 1), (7, 2), (0, 4)):  # the full group's blocks, the window's block
+        assert torch.equal(attn_d[lb], attn_p[rb]), lb
+    c = spec.page_size_bytes
+    assert torch.equal(pages_d[5, :c], pages_p[6, :c])  # the state slot whole, padding left alone
+    assert bool((pages_d[5, c:] == 7).all())
+    for b in (1, 2, 4, 6):  # the sliding block before the window, and blocks not in the pull
+        assert bool((pages_d[b] == 7).all()), b
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("groups", [1, 2], ids=["one-group-replicated", "two-groups-split"])
 @pytest.mark.parametrize(("P", "D"), [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
 async def test_mamba2_state_across_tp_with_groups_replicated_or_split(P: int, D: int, groups: int) -> None:
