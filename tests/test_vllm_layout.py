@@ -566,6 +566,9 @@ def test_mamba2_group_count_is_read_where_one_group_per_rank_is_ambiguous() -> N
         state_pieces(spec, 2, True)
     with pytest.raises(akv.ConfigError, match="split evenly"):
         state_pieces(spec, 2, True, n_groups=4)
+    two_per_rank = mamba_spec("mamba2", shapes=((8 * 32 + 2 * 2 * 16, 3), (8, 32, 16)))
+    with pytest.raises(akv.ConfigError, match="split evenly"):
+        state_pieces(two_per_rank, 2, True, n_groups=1)
     by_name = {p.name: p.units for p in state_pieces(spec, 2, True, n_groups=1)[1]}
     assert by_name == {"x": 16, "B": 1, "C": 1, "ssm": 16}
     assert {p.name: p.units for p in state_pieces(spec, 2, True, n_groups=2)[1]}["B"] == 2

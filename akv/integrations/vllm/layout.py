@@ -162,7 +162,7 @@ def state_pieces(
                 "(n_groups, mamba_n_groups or mamba_ngroups): add it to the model's config.json"
             )
         total = groups * tp_size if n_groups is None else n_groups
-        if total not in (1, groups * tp_size):
+        if total != groups * tp_size and not (total == 1 and groups == 1):
             raise ConfigError(
                 f"AkvConnector: the model has {n_groups} Mamba2 groups, but each of the {tp_size} "
                 f"ranks holds {groups}: akv moves groups split evenly over the ranks or one group "
@@ -340,6 +340,7 @@ def describe(
         if g.state:
             # one int8 page per slot and layer: conv channels (DS: each channel's taps
             # together), then the temporal state; every piece split on its own heads / groups
+            # (a Mamba2 model's single group held whole by every rank)
             comps: tuple[Component, ...] = tuple(
                 Component(name=p.name, units=p.units, unit_elems=p.unit_bytes, shard=p.shard, tensor="page")
                 for p in g.pieces
