@@ -370,6 +370,39 @@ def test_state_groups_refused_unless_akv_can_read_them() -> None:
         state_pieces(mamba_spec("mamba2", shapes=((300, 3), (8, 32, 16))), 1, True)
 
 
+async def pull_between(
+    kv_p: dict[str, torch.Tensor],
+    kv_d: dict[str, torch.Tensor],
+    groups: list[LayerGroup],
+    remote: dict[str, list[int]],
+    local: dict[str, list[int]],
+    num_tokens: int | None = None,
+) -> None:
+    """One TP-1 prefill exposes ``remote`` of its vLLM tensors ``kv_p``; one TP-1 decode pulls
+    them into ``local`` of ``kv_d``, over NIXL READs."""
+    async with AsyncExitStack() as stack:
+        server = akv.ControlServer()
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        await tg.start(server.serve)
+        cache, regions = describe(kv_p, groups, content="block")
+        producer = await stack.enter_async_context(
+            akv.Producer(regions, cache, tp_rank=0, tp_size=1, engine_id="vllm-p", server=server)
+        )
+        producer.expose("req", remote, generation=3)
+        cache, regions = describe(kv_d, groups, content="block")
+        async with akv.Consumer(regions, cache, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
+            session = await consumer.connect(str(server.endpoint))
+            req = akv.PullRequest(
+                request_id="req",
+                local_block_ids=local,
+                remote_block_ids=remote,
+                generation=3,
+                num_tokens=num_tokens,
+            )
+            assert (await (await session.pull(req))).path == "read"
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.anyio
 async def test_pull_state_and_attention_groups_sharing_tensors() -> None:
     """Nemotron-H's groups as vLLM's hybrid allocator lays them out (an attention layer and a
@@ -407,23 +440,7 @@ async def test_pull_state_and_attention_groups_sharing_tensors() -> None:
     pad.fill_(7)
     remote = {"g0": [1], "g1": [3]}
     local = {"g0": [2], "g1": [5]}
-    async with AsyncExitStack() as stack:
-        server = akv.ControlServer()
-        tg = await stack.enter_async_context(anyio.create_task_group())
-        await tg.start(server.serve)
-        cache, regions = describe(kv_p, groups, content="block")
-        producer = await stack.enter_async_context(
-            akv.Producer(regions, cache, tp_rank=0, tp_size=1, engine_id="vllm-p", server=server)
-        )
-        producer.expose("req", remote, generation=3)
-        cache, regions = describe(kv_d, groups, content="block")
-        async with akv.Consumer(regions, cache, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
-            session = await consumer.connect(str(server.endpoint))
-            req = akv.PullRequest(
-                request_id="req", local_block_ids=local, remote_block_ids=remote, generation=3
-            )
-            assert (await (await session.pull(req))).path == "read"
-        tg.cancel_scope.cancel()
+    await pull_between(kv_p, kv_d, groups, remote, local)
     assert torch.equal(conv_d[5], conv_p[3]) and torch.equal(ssm_d[5], ssm_p[3])
     assert torch.equal(kv_d[attn_name][2], kv_p[attn_name][1])
     assert not conv_d[4].any() and not ssm_d[6].any() and bool((pad[5] == 7).all())
@@ -464,23 +481,7 @@ async def test_pull_full_sliding_and_state_groups_sharing_tensors() -> None:
     pages_p[6, : spec.page_size_bytes].copy_(torch.randn(spec.page_size_bytes // 4).view(torch.int8))
     pages_d = raw_d.view(NB, page)
     pages_d.fill_(7)  # what decode's blocks held before: left alone outside what the pull fills
-    async with AsyncExitStack() as stack:
-        server = akv.ControlServer()
-        tg = await stack.enter_async_context(anyio.create_task_group())
-        await tg.start(server.serve)
-        cache, regions = describe(kv_p, groups, content="block")
-        producer = await stack.enter_async_context(
-            akv.Producer(regions, cache, tp_rank=0, tp_size=1, engine_id="vllm-p", server=server)
-        )
-        producer.expose("req", remote, generation=5)
-        cache, regions = describe(kv_d, groups, content="block")
-        async with akv.Consumer(regions, cache, tp_rank=0, tp_size=1, same_process="nixl") as consumer:
-            session = await consumer.connect(str(server.endpoint))
-            req = akv.PullRequest(
-                request_id="req", local_block_ids=local, remote_block_ids=remote, generation=5, num_tokens=n
-            )
-            assert (await (await session.pull(req))).path == "read"
-        tg.cancel_scope.cancel()
+    await pull_between(kv_p, kv_d, groups, remote, local, num_tokens=n)
     attn_p, attn_d = kv_p[full], kv_d[full]
     for lb, rb in ((3, 1), (7, 2), (0, 4)):  # the full group's blocks, the window's block
         assert torch.equal(attn_d[lb], attn_p[rb]), lb
