@@ -154,57 +154,73 @@ def verify(
     read_ids: Sequence[int] | npt.NDArray[Any] = (),
     generation: int = 0,
     packed: bool = False,
+    token_hash: int | None = None,
+    fingerprint: int | None = None,
 ) -> UnsafeReadError | None:
     """Check a bucket read after the data reads: None if ``request_id`` is exposed with exactly
     ``block_ids`` (and, given a ``generation``, is still that exposure); else the typed error
     saying why the bytes cannot be trusted. ``packed``: the bytes came from the request's
-    packed copy, which stays valid after its blocks were released early (state PACKED)."""
-    rows = np.asarray(bucket, dtype=np.int64).reshape(SLOTS, SLOT_WORDS)
-    h = request_hash(request_id)
-    mine = rows[(rows[:, 0] >> 16) == h]
-    where = f"request {request_id!r} on prefill rank {prefill_rank}"
-    if not mine.size:
+    packed copy, which stays valid after its blocks were released early (state PACKED).
+    ``token_hash`` and ``fingerprint``: `request_hash` of ``request_id`` and `digest` of
+    ``block_ids``, where the caller has them already (a pull computes each once)."""
+    h = request_hash(request_id) if token_hash is None else token_hash
+    # A bucket is 16 slots of 3 words: plain ints are cheaper to scan than numpy masks.
+    slot = next(
+        (
+            row
+            for row in np.asarray(bucket, dtype=np.int64).reshape(SLOTS, SLOT_WORDS).tolist()
+            if row[0] >> 16 == h
+        ),
+        None,
+    )
+    if slot is None:
         return NotExposedError(
-            f"{where} is not exposed (never exposed there, or released long ago): the blocks read "
-            "may hold another request's KV",
+            f"{_where(request_id, prefill_rank)} is not exposed (never exposed there, or released "
+            "long ago): the blocks read may hold another request's KV",
             prefill_rank=prefill_rank,
             block_ids=_ids(read_ids),
         )
-    token, fp, word = (int(x) for x in mine[0])
+    token, fp, word = slot
     n, gen = word & 0xFFFFFFFF, word >> 32
     state = token & 0xFFFF
     if generation and gen != generation & GENERATION_MASK:
         return ReexposedError(
-            f"{where} was released and exposed again (generation {gen}, this pull started under "
-            f"{generation & GENERATION_MASK}): the blocks read may hold the new exposure's KV",
+            f"{_where(request_id, prefill_rank)} was released and exposed again (generation {gen}, "
+            f"this pull started under {generation & GENERATION_MASK}): the blocks read may hold "
+            "the new exposure's KV",
             prefill_rank=prefill_rank,
             block_ids=_ids(read_ids),
         )
     if state == RELEASED_EXPIRED:
         return LeaseExpiredError(
-            f"{where} was released by lease before the reads completed: raise the lease, or pull sooner",
+            f"{_where(request_id, prefill_rank)} was released by lease before the reads completed: "
+            "raise the lease, or pull sooner",
             prefill_rank=prefill_rank,
             block_ids=_ids(read_ids),
         )
     if state == PACKED and not packed:
         return ReleasedError(
-            f"{where} was released to its engine after packing: only its packed copy may be "
-            "read (transfer='packed')",
+            f"{_where(request_id, prefill_rank)} was released to its engine after packing: only its "
+            "packed copy may be read (transfer='packed')",
             prefill_rank=prefill_rank,
             block_ids=_ids(read_ids),
         )
-    if state not in (EXPOSED, PACKED):
+    if state != EXPOSED and state != PACKED:
         how = "by the producer closing" if state == RELEASED_CLOSED else "after every reader notified"
         return ReleasedError(
-            f"{where} was released ({how}) before the reads finished",
+            f"{_where(request_id, prefill_rank)} was released ({how}) before the reads finished",
             prefill_rank=prefill_rank,
             block_ids=_ids(read_ids),
         )
-    if n != block_ids.size or fp != digest(block_ids):
+    if n != block_ids.size or fp != (digest(block_ids) if fingerprint is None else fingerprint):
         return OutsideExposureError(
-            f"{where} is exposed with {n} other block ids than the {block_ids.size} given: "
-            "blocks outside its exposure were read",
+            f"{_where(request_id, prefill_rank)} is exposed with {n} other block ids than the "
+            f"{block_ids.size} given: blocks outside its exposure were read",
             prefill_rank=prefill_rank,
             block_ids=_ids(read_ids),
         )
     return None
+
+
+def _where(request_id: str, prefill_rank: int) -> str:
+    return f"request {request_id!r} on prefill rank {prefill_rank}"

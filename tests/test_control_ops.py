@@ -99,6 +99,42 @@ async def test_a_direct_pull_posts_one_read_and_one_check_per_prefill_rank(p: in
     }
 
 
+async def test_concurrent_checked_pulls_leave_nothing_for_the_garbage_collector() -> None:
+    """A pull is no reference cycle: its op, check tickets and batch are freed as soon as
+    the pull is (by reference counting), so a burst of small pulls does not make Python's
+    cyclic collector run (each of its passes stops the event loop for all of them)."""
+    import gc
+
+    reqs = make_requests(SPEC, 4, 2, seed=5)  # 4 at once: the most this pool's blocks hold (see local_ids)
+    async with prefill_engine(SPEC, 2) as engine, AsyncExitStack() as stack:
+        engine.expose_requests(reqs)
+        c = await stack.enter_async_context(
+            akv.Consumer(akv.allocate_kv_cache(SPEC, 0, 1), SPEC, tp_rank=0, tp_size=1, same_process="nixl")
+        )
+        session = await c.connect(engine.endpoint)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            transfers = [
+                await session.pull(pull_request(req, local_ids(SPEC, n, req.num_tokens)))
+                for n, req in enumerate(reqs)
+            ]
+            results = [await t for t in transfers]
+            del transfers
+            gc.collect()
+            cyclic = sorted(
+                {type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("akv.")}
+            )
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert [r.path for r in results] == ["read"] * len(reqs)
+        assert c.metrics.snapshot().counters.get("xfers_check", 0) < len(reqs) * 2  # checks were batched
+        assert cyclic == []
+
+
 @pytest.mark.parametrize("p", [1, 2])
 async def test_a_packed_pull_adds_only_the_directory_read(p: int) -> None:
     """A checked packed pull from ``p`` prefill ranks posts, per rank, one directory READ, one

@@ -23,7 +23,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -127,6 +127,14 @@ class map_exceptions:
 
     def __enter__(self) -> None:
         return None
+
+    def raise_from(self, exc: Exception) -> NoReturn:
+        """Raise what the block would have raised for ``exc`` (for hot calls written as a
+        plain ``try``: an akv error as it is, else its mapped error)."""
+        if isinstance(exc, AkvError):
+            raise exc
+        self.__exit__(type(exc), exc, None)
+        raise exc  # pragma: no cover - __exit__ raises for every non-akv Exception
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
@@ -351,21 +359,22 @@ class NixlBackend:
         what = op.lower()
         if local not in self._dlists or remote not in self._dlists:
             raise PeerLostError(f"a descriptor list of this {what} was released (its peer was re-linked)")
-        with map_exceptions(f"creating the {what} failed", TransferError):
+        try:  # a plain try: map_exceptions' enter and exit cost more, on every pull
             handle = self._agent.make_prepped_xfer(
                 op, local, local_idx, remote, remote_idx, notif, skip_desc_merge=not merge
             )
+        except Exception as exc:
+            map_exceptions(f"creating the {what} failed", TransferError).raise_from(exc)
         return self._submit(handle, what)
 
     def _submit(self, handle: XferHandle, what: str) -> XferHandle:
         """Post a created transfer (tracked until released); a refused one is released."""
         self._xfers.add(handle)
         try:
-            with map_exceptions(f"posting the {what} failed", TransferError):
-                state = self._agent.transfer(handle)
-        except TransferError:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
             self.release(handle)
-            raise
+            map_exceptions(f"posting the {what} failed", TransferError).raise_from(exc)
         if state == "ERR":
             self.release(handle)
             raise TransferError(f"NIXL refused to post the {what}")
@@ -425,8 +434,10 @@ class NixlBackend:
     @on_device
     def state(self, handle: XferHandle) -> XferState:
         """Poll one transfer: "DONE" or "PROC"; raises [`TransferError`][akv.errors.TransferError] on failure."""
-        with map_exceptions("transfer failed", TransferError):
+        try:
             state = self._agent.check_xfer_state(handle)
+        except Exception as exc:
+            map_exceptions("transfer failed", TransferError).raise_from(exc)
         if state == "ERR":
             raise TransferError("NIXL reported the transfer in error")
         return "DONE" if state == "DONE" else "PROC"

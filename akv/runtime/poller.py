@@ -328,11 +328,14 @@ class PullPoller:
                 flush_after_notice(self._agent(), self.reaper, self.checks, check)
                 self.metrics.inc("xfers_flush")
 
-    def _post_checks(self, now: float) -> None:
+    def _post_checks(self, now: float, poll: bool = True) -> None:
         """Post the exposure checks that waited for this round (one READ per prefill rank),
-        and poll their pulls at once (shared-memory reads are often done when posted)."""
+        and poll their pulls at once (shared-memory reads are often done when posted), unless
+        the round's sweep is about to (``poll`` False)."""
         batched, self._batched = self._batched, []
         self.batcher.post()
+        if not poll:
+            return
         for transfer in batched:
             try:
                 self._check(transfer, now)
@@ -415,9 +418,9 @@ class PullPoller:
         state = transfer.state
         if state.finished:
             return False
-        waiting = len(self.batcher)
+        queued = self.batcher.added
         outcome = transfer.op.poll()
-        if len(self.batcher) > waiting:
+        if self.batcher.added != queued:
             self._batched.append(transfer)
         notified = transfer.op.take_notified()
         if notified:
@@ -474,6 +477,9 @@ class PullPoller:
                     progressed |= self._drain()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.log.warning("draining notifications failed", error=str(exc))
+            if self._batched:  # checks queued at launch: out before the sweep polls their pulls
+                self._post_checks(now, poll=False)
+                progressed = True
             for _state, transfer in self._tracker:
                 try:
                     progressed |= self._check(transfer, now)

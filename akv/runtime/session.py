@@ -192,20 +192,24 @@ class TransferSession:
         prepared = plan.prepare(
             request.request_id, request.local_block_ids, request.remote_block_ids, request.num_tokens
         )
-        notice = self.done_notice(request.request_id, prepared.remote_ids, request.generation)
+        fingerprint = exposure.digest(prepared.remote_ids)  # the notice's and the check's
+        notice = self.done_notice(request.request_id, prepared.remote_ids, request.generation, fingerprint)
         timeout = c.transfer_timeout if transfer_timeout is None else transfer_timeout
         lease = request.lease_s if request.lease_s else self.remote.lease_s  # the exposure's own lease
         heartbeat = lease / 3 if lease > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
         op: PathOp
         failed: Failed | None = None
-        if self.path_for(prepared) == "push":
+        path, copier = self._route(prepared)
+        if path == "push":
             push = op = self._launch_push(prepared, request)
             notify = prepared.standalone
             failed = push.start()
         else:
             try:
-                op, notify = self._launch(plan, prepared, request.request_id, notice, request.generation)
+                op, notify = self._launch(
+                    plan, prepared, request.request_id, notice, request.generation, path, copier, fingerprint
+                )
             except _Unsettled as unsettled:
                 await self.poller.settle(unsettled.op)  # no write lands after pull raises
                 raise unsettled.error from None
@@ -227,12 +231,16 @@ class TransferSession:
         from lives in this process (and the consumer allows it), else ``"push"`` for a
         session in push mode, else ``"read"`` (a packed pull may still fall back to direct
         reads, when a prefill rank kept no copy of the request)."""
+        return self._route(prepared)[0]
+
+    def _route(self, prepared: Prepared) -> tuple[PathName, CopyPlan | None]:
+        """`path_for`'s answer, and the copy plan the copy path uses."""
         copier = self._copier_for(prepared)
         if self._packs(prepared, copier):
-            return "packed"
+            return "packed", copier
         if copier is not None:
-            return "copy"
-        return "push" if self.remote.mode == "push" else "read"
+            return "copy", copier
+        return ("push" if self.remote.mode == "push" else "read"), None
 
     def _packs(self, prepared: Prepared, copier: CopyPlan | None) -> bool:
         c = self.rank
@@ -252,14 +260,22 @@ class TransferSession:
         return copier if copier.covers({op.remote_rank for op, _, _ in prepared.posts}) else None
 
     def _launch(
-        self, plan: TransferPlan, prepared: Prepared, request_id: str, notice: bytes, generation: int
+        self,
+        plan: TransferPlan,
+        prepared: Prepared,
+        request_id: str,
+        notice: bytes,
+        generation: int,
+        path: PathName,
+        copier: CopyPlan | None,
+        fingerprint: int,
     ) -> tuple[PathOp, tuple[int, ...]]:
-        """Start a prepared request on its path; returns the op and the ranks to notify once done."""
+        """Start a prepared request on its path (`_route`'s answer); returns the op and the
+        ranks to notify once done."""
         c = self.rank
-        copier = self._copier_for(prepared)
-        if self._packs(prepared, copier):
+        if path == "packed":
             return self._launch_packed(prepared, request_id, notice, generation)
-        if copier is not None:
+        if path == "copy" and copier is not None:
             launched = copier.launch(
                 prepared, request_id, plan.notify, check=c.verify_exposure, generation=generation
             )
@@ -267,7 +283,7 @@ class TransferSession:
                 self.metrics.inc("transfers_failed")
                 raise launched.error
             return launched, plan.notify
-        read = self._direct(prepared, request_id, notice, generation)
+        read = self._direct(prepared, request_id, notice, generation, fingerprint)
         self._started(read, read.start())
         return read, prepared.standalone
 
@@ -283,8 +299,16 @@ class TransferSession:
             raise _Unsettled(failed.error, op)
         raise failed.error
 
-    def _direct(self, prepared: Prepared, request_id: str, notice: bytes, generation: int) -> NixlRead:
-        """The read path's op for a prepared request (not started)."""
+    def _direct(
+        self,
+        prepared: Prepared,
+        request_id: str,
+        notice: bytes,
+        generation: int,
+        fingerprint: int | None = None,
+    ) -> NixlRead:
+        """The read path's op for a prepared request (not started; ``fingerprint``: the digest
+        of its prefill block ids, if computed already)."""
         c = self.rank
         posts = [
             ReadPost(
@@ -312,6 +336,7 @@ class TransferSession:
             generation=generation,
             batcher=self.poller.batcher,
             count=self.metrics.inc,
+            fingerprint=fingerprint,
         )
 
     def _launch_packed(
@@ -412,11 +437,18 @@ class TransferSession:
             return None
         return offset, items, {r: int(lengths.size) for r, (_, _, lengths) in runs.items()}
 
-    def done_notice(self, request_id: str, remote_all: npt.NDArray[np.int32], generation: int = 0) -> bytes:
-        """The "done" notice of a request, with the digest of its prefill block ids (and the
-        exposure generation the pull is bound to)."""
+    def done_notice(
+        self,
+        request_id: str,
+        remote_all: npt.NDArray[np.int32],
+        generation: int = 0,
+        fingerprint: int | None = None,
+    ) -> bytes:
+        """The "done" notice of a request, with the digest of its prefill block ids
+        (``fingerprint``, if computed already) and the exposure generation the pull is bound to."""
         c = self.rank
-        digest, gens = [exposure.digest(remote_all)], [generation] if generation else []
+        digest = [exposure.digest(remote_all) if fingerprint is None else fingerprint]
+        gens = [generation] if generation else []
         return encode_notice(Notice("done", c.engine_id, c.tp_rank, c.tp_size, [request_id], digest, gens))
 
     # -- what the poller asks (PullOwner) ------------------------------------------------

@@ -71,11 +71,14 @@ def unsafe(
     read_ids: npt.NDArray[np.int32],
     generation: int | Mapping[int, int],
     packed: bool = False,
+    token_hash: int | None = None,
+    fingerprint: int | None = None,
 ) -> UnsafeReadError | None:
     """The exposure check of a pull over the buckets read from each prefill rank (``(rank,
     bucket)`` pairs, read once its bytes were in place): None if every one still holds the
     request's exposure, else the first typed error. ``generation``: one for every rank, or
-    per rank (a packed read binds to each rank's own); ``packed``: see `akv.exposure.verify`."""
+    per rank (a packed read binds to each rank's own); ``packed``, ``token_hash`` and
+    ``fingerprint``: see `akv.exposure.verify`."""
     for rank, bucket in buckets:
         gen = generation if isinstance(generation, int) else generation.get(rank, 0)
         error = exposure.verify(
@@ -86,6 +89,8 @@ def unsafe(
             read_ids=read_ids,
             generation=gen,
             packed=packed,
+            token_hash=token_hash,
+            fingerprint=fingerprint,
         )
         if error is not None:
             return error

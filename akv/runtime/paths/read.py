@@ -134,7 +134,9 @@ class CheckBatch:
     def __init__(
         self, tickets: list[CheckTicket], pool: CheckPool, handle: XferHandle, error: AkvError | None
     ):
-        self.tickets = set(tickets)  # the pulls still waiting on it
+        # the pulls still waiting on it, by id: a batch holds no reference to its tickets
+        # (each ticket holds its batch), so neither is part of a reference cycle
+        self._waiting = {id(ticket) for ticket in tickets}
         self.pool = pool
         self.handle = handle
         self._error = error  # posting failed (nothing in flight), or the READ failed
@@ -168,12 +170,12 @@ class CheckBatch:
     def leave(self, ticket: CheckTicket) -> None:
         """A pull gives up on its check: its slot is freed now if nothing can land there,
         else once the READ finishes (the last pull to leave hands the READ to the reaper)."""
-        self.tickets.discard(ticket)
+        self._waiting.discard(id(ticket))
         if self._done:
             self.pool.release(ticket.slot)
             return
         self._orphans.append(ticket.slot)
-        if not self.tickets:
+        if not self._waiting:
             self._done = True  # the reaper owns the handle from here
             orphans, self._orphans = self._orphans, []
 
@@ -197,6 +199,8 @@ class CheckBatcher:
         self.pool = pool
         self._waiting: dict[tuple[int, int], list[CheckTicket]] = {}
         self._count = 0
+        #: checks queued since the batcher was made (a poller sees whether a poll queued one)
+        self.added = 0
 
     def __len__(self) -> int:
         """Checks waiting to be posted."""
@@ -206,6 +210,7 @@ class CheckBatcher:
         """Queue a check for the next `post`."""
         self._waiting.setdefault((id(ticket.backend), id(ticket.check)), []).append(ticket)
         self._count += 1
+        self.added += 1
 
     def withdraw(self, ticket: CheckTicket) -> bool:
         """Take a check back before it is posted; False if it was posted already."""
@@ -299,6 +304,7 @@ class NixlRead:
         on_settled: Callable[[], None] | None = None,
         batcher: CheckBatcher | None = None,
         count: Callable[[str, int], None] = no_count,
+        fingerprint: int | None = None,
     ) -> None:
         self.backend = backend
         self.reaper = reaper
@@ -314,7 +320,9 @@ class NixlRead:
         self.packed = packed
         self.on_settled = on_settled
         self.batcher = batcher
-        self.owner: object = self  # whose handles the reaper holds (a path wrapping this read sets itself)
+        self.fingerprint = fingerprint  # exposure.digest(remote_ids), if the caller has it
+        self._hash = 0  # exposure.request_hash(request_id), once the checks are posted
+        self._owner: object = None  # see owner
         self.checking = False
         self._ranks = frozenset(post.rank for post in posts)
         self._errored: XferHandle = None
@@ -328,6 +336,17 @@ class NixlRead:
         #: seen done, and from then until the exposure check was seen verified
         self.data_s = self.check_s = 0.0
         self._since = 0.0
+
+    @property
+    def owner(self) -> object:
+        """Whose handles the reaper holds: this read, or the path wrapping it (which sets
+        itself). Held as None for this read itself, so that the read is no reference cycle
+        (freed as soon as it is dropped, not by the garbage collector)."""
+        return self if self._owner is None else self._owner
+
+    @owner.setter
+    def owner(self, owner: object) -> None:
+        self._owner = None if owner is self else owner
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -388,7 +407,11 @@ class NixlRead:
             now = time.perf_counter()
             self.data_s, self._since = now - self._since, now
             failed = self._post_checks()
-            return failed if failed is not None else self.poll()
+            if failed is not None:
+                return failed
+            if self._pending or not self._tickets:  # posted at once (often done already), or none
+                return self.poll()
+            return Pending(True)  # every check waits for the batcher's next post
         if self._tickets:
             landed = True
             for rank, ticket in self._tickets.items():
@@ -418,8 +441,8 @@ class NixlRead:
         checks, pool = self.checks, self.pool
         if checks is None or pool is None:  # no exposure check: nothing to post
             return None
-        h = exposure.request_hash(self.request_id)
-        for rank in sorted({post.rank for post in self.posts}):
+        h = self._hash = exposure.request_hash(self.request_id)
+        for rank in sorted(self._ranks):
             check = checks.get(rank)
             if check is None:  # the rank was re-linked (or lost) since the data reads
                 return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
@@ -453,7 +476,16 @@ class NixlRead:
         if pool is None:
             return None
         buckets = [(rank, pool.array[slot]) for rank, slot in self._slots.items()]
-        return unsafe(buckets, self.request_id, self.remote_ids, self.read_ids, self.generation, self.packed)
+        return unsafe(
+            buckets,
+            self.request_id,
+            self.remote_ids,
+            self.read_ids,
+            self.generation,
+            self.packed,
+            token_hash=self._hash or None,
+            fingerprint=self.fingerprint,
+        )
 
     def _free_slots(self) -> None:
         if self.pool is not None:
