@@ -5,7 +5,8 @@
 * ``akv_unchecked``: the same without the exposure check (``verify_exposure=False``);
 * ``nixl``: a hand-written hot loop on the raw ``nixl_agent`` posting exactly akv's
   descriptors (indices from [`TransferPlan.prepare`][akv.plan.TransferPlan.prepare], computed
-  before the clock starts) on the same strided prepped lists: ``make_prepped_xfer``,
+  on the clock, as any connector validates a request's ids and computes its indices, with
+  akv's "done" notice on each READ) on the same strided prepped lists: ``make_prepped_xfer``,
   ``transfer``, spin on ``check_xfer_state``;
 * ``perblock``: the same reads on the plan's tables prepared unstrided (one descriptor per
   region, and plane, per block, as per-block connectors post them; one per block and run
