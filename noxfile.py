@@ -28,7 +28,7 @@ def lint(session: nox.Session) -> None:
     """ruff and mypy --strict."""
     install(session, "lint", "test", "bench", "docs")
     session.run("ruff", "check", "akv", "tests", "examples", "noxfile.py")
-    session.run("ruff", "format", "--check", "akv")
+    session.run("ruff", "format", "--check", "akv", "tests", "examples", "noxfile.py")
     session.run("mypy")
 
 

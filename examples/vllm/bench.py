@@ -60,7 +60,11 @@ import httpx
 from akv.integrations.vllm.launch import Instance, start, wait_ready
 
 HERE = Path(__file__).resolve().parent
-XFER_METRIC = {"akv": "vllm:akv_pull_seconds", "nixl": "vllm:nixl_xfer_time_seconds", "nixl-tuned": "vllm:nixl_xfer_time_seconds"}
+XFER_METRIC = {
+    "akv": "vllm:akv_pull_seconds",
+    "nixl": "vllm:nixl_xfer_time_seconds",
+    "nixl-tuned": "vllm:nixl_xfer_time_seconds",
+}
 
 
 def free_port() -> int:
@@ -140,12 +144,16 @@ class Pair:
         self.connector, self.prefill, self.decode = connector, prefill, decode
 
 
-async def one(client: httpx.AsyncClient, pair: Pair, model: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+async def one(
+    client: httpx.AsyncClient, pair: Pair, model: str, tokens: list[int], max_tokens: int
+) -> dict[str, Any]:
     """One request through the pair, as a router sends it; times and tokens."""
     body = {"model": model, "prompt": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     t0 = time.perf_counter()
-    p = await client.post(pair.prefill.url + "/v1/completions",
-                          json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    p = await client.post(
+        pair.prefill.url + "/v1/completions",
+        json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+    )
     p.raise_for_status()
     params = p.json()["kv_transfer_params"]
     t1 = time.perf_counter()
@@ -179,12 +187,26 @@ async def one(client: httpx.AsyncClient, pair: Pair, model: str, tokens: list[in
     }
 
 
-async def load_stream(client: httpx.AsyncClient, inst: Instance, model: str, tokens: list[int],
-                      max_tokens: int, stop: asyncio.Event, gaps: list[float]) -> None:
+async def load_stream(
+    client: httpx.AsyncClient,
+    inst: Instance,
+    model: str,
+    tokens: list[int],
+    max_tokens: int,
+    stop: asyncio.Event,
+    gaps: list[float],
+) -> None:
     """One decoding stream on ``inst`` (its own prompt, computed there): the gaps between its
     tokens go into ``gaps`` until ``stop`` is set, when the stream is dropped (vLLM aborts it)."""
-    body = {"model": model, "prompt": tokens, "temperature": 0, "ignore_eos": True, "max_tokens": max_tokens,
-            "stream": True, "cache_salt": f"load-{random.random()}"}
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "cache_salt": f"load-{random.random()}",
+    }
     last = None
     async with client.stream("POST", inst.url + "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -198,8 +220,9 @@ async def load_stream(client: httpx.AsyncClient, inst: Instance, model: str, tok
                 last = now
 
 
-async def measure_loaded(pairs: dict[str, Pair], model: str, args: argparse.Namespace,
-                         prompts: list[list[int]], rng: random.Random) -> dict[str, Any]:
+async def measure_loaded(
+    pairs: dict[str, Pair], model: str, args: argparse.Namespace, prompts: list[list[int]], rng: random.Random
+) -> dict[str, Any]:
     """Each prompt through every pair (alternating order) while ``args.loaded`` streams decode
     on that pair's decode instance; per-connector medians and per-prompt ratios."""
     rows: dict[str, dict[str, list[float]]] = {c: {} for c in pairs}
@@ -223,10 +246,20 @@ async def measure_loaded(pairs: dict[str, Pair], model: str, args: argparse.Name
                 pair = pairs[conn]
                 want, _ = await colocated(client, pair.prefill, model, tokens, args.max_tokens)
                 stop, gaps = asyncio.Event(), []
-                load = [asyncio.create_task(load_stream(client, pair.decode, model,
-                                                        [rng.randrange(1, 250) for _ in range(32)],
-                                                        args.load_tokens, stop, gaps))
-                        for _ in range(args.loaded)]
+                load = [
+                    asyncio.create_task(
+                        load_stream(
+                            client,
+                            pair.decode,
+                            model,
+                            [rng.randrange(1, 250) for _ in range(32)],
+                            args.load_tokens,
+                            stop,
+                            gaps,
+                        )
+                    )
+                    for _ in range(args.loaded)
+                ]
                 await asyncio.sleep(0.5)  # the load streams are decoding
                 gaps.clear()
                 got = await one(client, pair, model, tokens, args.max_tokens)
@@ -241,22 +274,38 @@ async def measure_loaded(pairs: dict[str, Pair], model: str, args: argparse.Name
         if "akv" in pairs:  # akv's threads over the loaded phase, per request through the akv pair
             for role, i in insts.items():
                 cpu, wake = akv_threads(i.proc.pid)
-                threads[f"{role}_cpu_ms_per_request"] = round((cpu - loaded_from[role][0]) * 1e3 / len(prompts), 2)
-                threads[f"{role}_wakeups_per_request"] = round((wake - loaded_from[role][1]) / len(prompts), 1)
+                threads[f"{role}_cpu_ms_per_request"] = round(
+                    (cpu - loaded_from[role][0]) * 1e3 / len(prompts), 2
+                )
+                threads[f"{role}_wakeups_per_request"] = round(
+                    (wake - loaded_from[role][1]) / len(prompts), 1
+                )
     out: dict[str, Any] = {c: summarize({"loaded": rows[c]})["loaded"] for c in pairs}
     if threads:
         out["akv_threads"] = threads
     if "akv" in rows and "nixl-tuned" in rows:
         a, b = rows["akv"], rows["nixl-tuned"]
-        out["paired"] = {k: med([x / y for x, y in zip(a[k], b[k], strict=True) if y > 0 and not math.isnan(x)])
-                         for k in ("ttft_ms", "decode_ttft_ms", "itl_ms", "load_itl_ms")}
+        out["paired"] = {
+            k: med([x / y for x, y in zip(a[k], b[k], strict=True) if y > 0 and not math.isnan(x)])
+            for k in ("ttft_ms", "decode_ttft_ms", "itl_ms", "load_itl_ms")
+        }
     out["per_prompt"] = rows  # per connector, per figure, one value per prompt (pool runs with these)
     return out
 
 
-async def colocated(client: httpx.AsyncClient, inst: Instance, model: str, tokens: list[int], max_tokens: int) -> tuple[list[int], float]:
-    body = {"model": model, "prompt": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-            "max_tokens": max_tokens, "stream": True, "cache_salt": f"colocated-{random.random()}"}
+async def colocated(
+    client: httpx.AsyncClient, inst: Instance, model: str, tokens: list[int], max_tokens: int
+) -> tuple[list[int], float]:
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "cache_salt": f"colocated-{random.random()}",
+    }
     t0 = time.perf_counter()
     first = None
     out: list[int] = []
@@ -276,8 +325,13 @@ def med(xs: list[float]) -> float:
     return round(statistics.median(xs), 2) if xs else float("nan")
 
 
-async def measure(pair: Pair, model: str, args: argparse.Namespace, prompts: dict[str, list[list[int]]],
-                  rows: dict[str, dict[str, list[float]]]) -> None:
+async def measure(
+    pair: Pair,
+    model: str,
+    args: argparse.Namespace,
+    prompts: dict[str, list[list[int]]],
+    rows: dict[str, dict[str, list[float]]],
+) -> None:
     """Send ``prompts`` (per length, and ``"concurrent"``) through one pair; append to ``rows``."""
     async with httpx.AsyncClient(timeout=600) as client:
         await one(client, pair, model, prompts["warmup"][0], 2)  # first handshake, first forward passes
@@ -293,12 +347,16 @@ async def measure(pair: Pair, model: str, args: argparse.Namespace, prompts: dic
                     row.setdefault(k, []).append(got[k])
                 row.setdefault("colocated_ttft_ms", []).append(co_ttft)
                 if after[1] > before[1]:
-                    row.setdefault("transfer_ms", []).append((after[0] - before[0]) / (after[1] - before[1]) * 1e3)
+                    row.setdefault("transfer_ms", []).append(
+                        (after[0] - before[0]) / (after[1] - before[1]) * 1e3
+                    )
                 row.setdefault("equal", []).append(float(got["tokens"] == want))
         if prompts.get("concurrent"):
             row = rows.setdefault("concurrent", {})
             t0 = time.perf_counter()
-            got = await asyncio.gather(*(one(client, pair, model, t, args.max_tokens) for t in prompts["concurrent"]))
+            got = await asyncio.gather(
+                *(one(client, pair, model, t, args.max_tokens) for t in prompts["concurrent"])
+            )
             row.setdefault("wall_s", []).append(time.perf_counter() - t0)
             for g, t in zip(got, prompts["concurrent"], strict=True):
                 want, _ = await colocated(client, pair.prefill, model, t, args.max_tokens)
@@ -322,15 +380,33 @@ def idle_cpu(pair: Pair, seconds: float) -> dict[str, float]:
     insts = {"prefill": pair.prefill, "decode": pair.decode}
     before = {role: cpu_seconds(i.proc.pid) for role, i in insts.items()}
     time.sleep(seconds)
-    return {role: round((cpu_seconds(i.proc.pid) - before[role]) / seconds * 100, 1) for role, i in insts.items()}
+    return {
+        role: round((cpu_seconds(i.proc.pid) - before[role]) / seconds * 100, 1) for role, i in insts.items()
+    }
 
 
 def start_pair(conn: str, model: str, logs: Path, args: argparse.Namespace) -> Pair:
     kw: dict[str, Any] = dict(model=model, kv_space_gib=1, vllm_args=args.vllm_args)
-    p = start(logs / f"{conn}-prefill.log", connector=conn, role="prefill", http_port=free_port(), core=0,
-              akv_port=free_port(), nixl_port=free_port(), **kw)
-    d = start(logs / f"{conn}-decode.log", connector=conn, role="decode", http_port=free_port(), core=1,
-              akv_port=free_port(), nixl_port=free_port(), **kw)
+    p = start(
+        logs / f"{conn}-prefill.log",
+        connector=conn,
+        role="prefill",
+        http_port=free_port(),
+        core=0,
+        akv_port=free_port(),
+        nixl_port=free_port(),
+        **kw,
+    )
+    d = start(
+        logs / f"{conn}-decode.log",
+        connector=conn,
+        role="decode",
+        http_port=free_port(),
+        core=1,
+        akv_port=free_port(),
+        nixl_port=free_port(),
+        **kw,
+    )
     try:
         wait_ready([p, d], timeout=600)
     except BaseException:
@@ -346,17 +422,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="256,1024,2048", help="prompt lengths, comma-separated")
     ap.add_argument("--reps", type=int, default=6, help="requests per length and connector")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=4, help="concurrent requests of the middle length (1: skip)")
+    ap.add_argument(
+        "--concurrency", type=int, default=4, help="concurrent requests of the middle length (1: skip)"
+    )
     ap.add_argument("--idle-s", type=float, default=10.0)
-    ap.add_argument("--connectors", default="akv,nixl-tuned,nixl", help="which to run, in this order each round")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="rounds; each starts every connector's pair in turn, alone, and sends it its share of the requests")
+    ap.add_argument(
+        "--connectors", default="akv,nixl-tuned,nixl", help="which to run, in this order each round"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds; each starts every connector's pair in turn, alone, and sends it its share of the requests",
+    )
     ap.add_argument("--fast", action="store_true", help="start vLLM with -O0 (no graph compilation)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logs", type=Path, help="keep the instances' logs in this directory")
-    ap.add_argument("--loaded", type=int, default=0, metavar="N",
-                    help="measure under load: both pairs at once, N streams decoding beside each request (0: off)")
+    ap.add_argument(
+        "--loaded",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure under load: both pairs at once, N streams decoding beside each request (0: off)",
+    )
     ap.add_argument("--load-tokens", type=int, default=512, help="output tokens of each load stream")
     args = ap.parse_args(argv)
     try:
@@ -369,12 +458,17 @@ def main(argv: list[str] | None = None) -> int:
     connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
     bad = [c for c in connectors if c not in XFER_METRIC]
     if bad or not connectors or args.reps < 1 or not 1 <= args.rounds <= args.reps:
-        print(f"bench: --connectors {args.connectors!r} / --reps {args.reps}: use akv, nixl-tuned, nixl; 1 <= rounds <= reps",
-              file=sys.stderr)
+        print(
+            f"bench: --connectors {args.connectors!r} / --reps {args.reps}: use akv, nixl-tuned, nixl; 1 <= rounds <= reps",
+            file=sys.stderr,
+        )
         return 64
     if args.loaded < 0 or (args.loaded and sorted(connectors) != ["akv", "nixl-tuned"]):
-        print(f"bench: --loaded {args.loaded} --connectors {args.connectors!r}: --loaded N >= 0 runs with "
-              "--connectors akv,nixl-tuned", file=sys.stderr)
+        print(
+            f"bench: --loaded {args.loaded} --connectors {args.connectors!r}: --loaded N >= 0 runs with "
+            "--connectors akv,nixl-tuned",
+            file=sys.stderr,
+        )
         return 64
     args.vllm_args = ["-O0"] if args.fast else []
     if args.loaded:
@@ -382,18 +476,27 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="akv-vllm-bench-") as tmp:
         model = args.model or str(Path(tmp) / "model")
         if args.model is None:
-            subprocess.run([sys.executable, str(HERE / "tiny_model.py"), model], check=True, capture_output=True)
+            subprocess.run(
+                [sys.executable, str(HERE / "tiny_model.py"), model], check=True, capture_output=True
+            )
         logs = args.logs or Path(tmp) / "logs"
-        figures: dict[str, Any] = {"model": "tiny llama (4 layers, hidden 256, 4 KV heads)" if args.model is None else model,
-                                   "args": {k: v for k, v in vars(args).items() if k not in ("json", "logs")}}
+        figures: dict[str, Any] = {
+            "model": "tiny llama (4 layers, hidden 256, 4 KV heads)" if args.model is None else model,
+            "args": {k: v for k, v in vars(args).items() if k not in ("json", "logs")},
+        }
         rng = random.Random(args.seed)
         per_round = [args.reps // args.rounds + (r < args.reps % args.rounds) for r in range(args.rounds)]
         rounds = [
             {
                 "warmup": [[rng.randrange(1, 250) for _ in range(64)]],
-                **{str(n): [[rng.randrange(1, 250) for _ in range(n)] for _ in range(k)] for n in args.lengths},
-                "concurrent": [[rng.randrange(1, 250) for _ in range(args.lengths[len(args.lengths) // 2])]
-                               for _ in range(args.concurrency if args.concurrency > 1 else 0)],
+                **{
+                    str(n): [[rng.randrange(1, 250) for _ in range(n)] for _ in range(k)]
+                    for n in args.lengths
+                },
+                "concurrent": [
+                    [rng.randrange(1, 250) for _ in range(args.lengths[len(args.lengths) // 2])]
+                    for _ in range(args.concurrency if args.concurrency > 1 else 0)
+                ],
             }
             for k in per_round
         ]
@@ -401,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         idle: dict[str, dict[str, list[float]]] = {c: {} for c in connectors}
         for r, prompts in enumerate(rounds):
             for conn in connectors:  # one pair at a time, the same prompts, rounds interleaved
-                print(f"round {r + 1}/{args.rounds}: {conn} (prefill on core 0, decode on core 1)", flush=True)
+                print(
+                    f"round {r + 1}/{args.rounds}: {conn} (prefill on core 0, decode on core 1)", flush=True
+                )
                 pair = start_pair(conn, model, logs / f"round{r}", args)
                 try:
                     for role, pct in idle_cpu(pair, args.idle_s).items():
@@ -416,7 +521,11 @@ def main(argv: list[str] | None = None) -> int:
             i = figures["idle_cpu_pct"][conn]
             print(f"{conn:>10} idle CPU: prefill {i['prefill']} %, decode {i['decode']} % of a core")
             for key, summary in figures["results"][conn].items():
-                label = f"{args.concurrency}x{args.lengths[len(args.lengths) // 2]} concurrent" if key == "concurrent" else f"{key} tokens"
+                label = (
+                    f"{args.concurrency}x{args.lengths[len(args.lengths) // 2]} concurrent"
+                    if key == "concurrent"
+                    else f"{key} tokens"
+                )
                 print(f"{conn:>10} {label}: " + "  ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str))
@@ -424,8 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     if "akv" in res and "nixl-tuned" in res:
         for n in map(str, args.lengths):
             a, b = res["akv"][n], res["nixl-tuned"][n]
-            print(f"ratio akv / nixl-tuned at {n} tokens: ttft {a['ttft_ms'] / b['ttft_ms']:.2f}, "
-                  f"decode_ttft {a['decode_ttft_ms'] / b['decode_ttft_ms']:.2f}", flush=True)
+            print(
+                f"ratio akv / nixl-tuned at {n} tokens: ttft {a['ttft_ms'] / b['ttft_ms']:.2f}, "
+                f"decode_ttft {a['decode_ttft_ms'] / b['decode_ttft_ms']:.2f}",
+                flush=True,
+            )
     return 0
 
 
@@ -434,20 +546,27 @@ def run_loaded(args: argparse.Namespace, connectors: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="akv-vllm-bench-") as tmp:
         model = args.model or str(Path(tmp) / "model")
         if args.model is None:
-            subprocess.run([sys.executable, str(HERE / "tiny_model.py"), model], check=True, capture_output=True)
+            subprocess.run(
+                [sys.executable, str(HERE / "tiny_model.py"), model], check=True, capture_output=True
+            )
         logs = args.logs or Path(tmp) / "logs"
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in args.lengths for _ in range(args.reps)]
         rng.shuffle(prompts)
-        print(f"loaded: {' and '.join(connectors)} pairs at once (prefills on core 0, decodes on core 1), "
-              f"{args.loaded} load streams per request", flush=True)
+        print(
+            f"loaded: {' and '.join(connectors)} pairs at once (prefills on core 0, decodes on core 1), "
+            f"{args.loaded} load streams per request",
+            flush=True,
+        )
         pairs: dict[str, Pair] = {}
         try:
             for conn in connectors:
                 pairs[conn] = start_pair(conn, model, logs, args)
-            figures = {"model": "tiny llama (4 layers, hidden 256, 4 KV heads)" if args.model is None else model,
-                       "args": {k: v for k, v in vars(args).items() if k not in ("json", "logs")},
-                       "loaded": asyncio.run(measure_loaded(pairs, model, args, prompts, rng))}
+            figures = {
+                "model": "tiny llama (4 layers, hidden 256, 4 KV heads)" if args.model is None else model,
+                "args": {k: v for k, v in vars(args).items() if k not in ("json", "logs")},
+                "loaded": asyncio.run(measure_loaded(pairs, model, args, prompts, rng)),
+            }
         finally:
             for pair in pairs.values():
                 pair.prefill.stop()

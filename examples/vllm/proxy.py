@@ -85,8 +85,12 @@ def build_app(prefill: list[str], decode: list[str]) -> Starlette:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="route OpenAI-style requests through a prefill and a decode vLLM instance")
-    ap.add_argument("--prefill", action="append", required=True, help="prefill instance base URL (repeatable)")
+    ap = argparse.ArgumentParser(
+        description="route OpenAI-style requests through a prefill and a decode vLLM instance"
+    )
+    ap.add_argument(
+        "--prefill", action="append", required=True, help="prefill instance base URL (repeatable)"
+    )
     ap.add_argument("--decode", action="append", required=True, help="decode instance base URL (repeatable)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)

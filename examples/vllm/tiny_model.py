@@ -56,9 +56,17 @@ def build_model(
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
-        bos_token_id=256, eos_token_id=257, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=256,
+        eos_token_id=257,
+        tie_word_embeddings=False,
     )
     if arch == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -75,11 +83,26 @@ def build_model(
         pattern = ("M*M-" * layers)[: max(layers, 2)]  # Mamba2, attention, Mamba2, MLP, ...
         model = NemotronHForCausalLM(
             NemotronHConfig(
-                vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=len(pattern),
-                hybrid_override_pattern=pattern, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                mlp_hidden_act="relu2", mamba_num_heads=8, mamba_head_dim=32, n_groups=groups, ssm_state_size=16,
-                conv_kernel=4, chunk_size=64, max_position_embeddings=4096, bos_token_id=256, eos_token_id=257,
-                pad_token_id=0, tie_word_embeddings=False,
+                vocab_size=VOCAB,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=len(pattern),
+                hybrid_override_pattern=pattern,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=32,
+                mlp_hidden_act="relu2",
+                mamba_num_heads=8,
+                mamba_head_dim=32,
+                n_groups=groups,
+                ssm_state_size=16,
+                conv_kernel=4,
+                chunk_size=64,
+                max_position_embeddings=4096,
+                bos_token_id=256,
+                eos_token_id=257,
+                pad_token_id=0,
+                tie_word_embeddings=False,
             )
         )
     elif arch == "qwen3_next":
@@ -88,12 +111,28 @@ def build_model(
         types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
         model = Qwen3NextForCausalLM(
             Qwen3NextConfig(
-                vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                layer_types=types, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                linear_num_key_heads=groups, linear_num_value_heads=2 * groups, linear_key_head_dim=128,
-                linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-                moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
-                max_position_embeddings=4096, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False,
+                vocab_size=VOCAB,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=layers,
+                layer_types=types,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                linear_num_key_heads=groups,
+                linear_num_value_heads=2 * groups,
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+                linear_conv_kernel_dim=4,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=128,
+                shared_expert_intermediate_size=128,
+                decoder_sparse_step=1,
+                max_position_embeddings=4096,
+                bos_token_id=256,
+                eos_token_id=257,
+                tie_word_embeddings=False,
             )
         )
     else:
