@@ -133,20 +133,22 @@ class map_exceptions:
         plain ``try``: an akv error as it is, else its mapped error)."""
         if isinstance(exc, AkvError):
             raise exc
-        self.__exit__(type(exc), exc, None)
-        raise exc  # pragma: no cover - __exit__ raises for every non-akv Exception
+        raise self._mapped(exc) from exc
+
+    def _mapped(self, exc: Exception) -> AkvError:
+        cls = (
+            BackendError
+            if self.default is BackendError
+            else ERROR_TABLE.get(type(exc).__name__, self.default)
+        )
+        return cls(f"{self.what}: {_describe(exc)}")
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> Literal[False]:
         if exc is None or isinstance(exc, AkvError) or not isinstance(exc, Exception):
             return False
-        cls = (
-            BackendError
-            if self.default is BackendError
-            else ERROR_TABLE.get(type(exc).__name__, self.default)
-        )
-        raise cls(f"{self.what}: {_describe(exc)}") from exc
+        raise self._mapped(exc) from exc
 
 
 class NixlBackend:

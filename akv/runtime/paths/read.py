@@ -321,7 +321,7 @@ class NixlRead:
         self.on_settled = on_settled
         self.batcher = batcher
         self.fingerprint = fingerprint  # exposure.digest(remote_ids), if the caller has it
-        self._hash = 0  # exposure.request_hash(request_id), once the checks are posted
+        self._hash: int | None = None  # exposure.request_hash(request_id), once the checks are posted
         self._owner: object = None  # see owner
         self.checking = False
         self._ranks = frozenset(post.rank for post in posts)
@@ -483,7 +483,7 @@ class NixlRead:
             self.read_ids,
             self.generation,
             self.packed,
-            token_hash=self._hash or None,
+            token_hash=self._hash,
             fingerprint=self.fingerprint,
         )
 
