@@ -99,17 +99,34 @@ async def test_a_direct_pull_posts_one_read_and_one_check_per_prefill_rank(p: in
     }
 
 
-async def test_concurrent_checked_pulls_leave_nothing_for_the_garbage_collector() -> None:
-    """A pull is no reference cycle: its op, check tickets and batch are freed as soon as
-    the pull is (by reference counting), so a burst of small pulls does not make Python's
-    cyclic collector run (each of its passes stops the event loop for all of them)."""
+#: the consumer's settings that take each path (a packed pull also needs a packing prefill)
+ON_PATH: dict[str, dict[str, Any]] = {"read": {}, "packed": {"transfer": "packed"}, "push": {"mode": "push"}}
+
+
+@pytest.mark.parametrize("path", list(ON_PATH))
+async def test_concurrent_checked_pulls_leave_nothing_for_the_garbage_collector(path: str) -> None:
+    """A pull is no reference cycle, on the read, packed and push paths: its op (and the read
+    op a packed pull wraps), check tickets and batch are freed as soon as the pull is (by
+    reference counting), so a burst of small pulls does not make Python's cyclic collector
+    run (each of its passes stops the event loop for all of them)."""
     import gc
 
+    consumer_kw = ON_PATH[path]
     reqs = make_requests(SPEC, 4, 2, seed=5)  # 4 at once: the most this pool's blocks hold (see local_ids)
-    async with prefill_engine(SPEC, 2) as engine, AsyncExitStack() as stack:
+    async with (
+        prefill_engine(SPEC, 2, **({"transfer": "packed"} if path == "packed" else {})) as engine,
+        AsyncExitStack() as stack,
+    ):
         engine.expose_requests(reqs)
         c = await stack.enter_async_context(
-            akv.Consumer(akv.allocate_kv_cache(SPEC, 0, 1), SPEC, tp_rank=0, tp_size=1, same_process="nixl")
+            akv.Consumer(
+                akv.allocate_kv_cache(SPEC, 0, 1),
+                SPEC,
+                tp_rank=0,
+                tp_size=1,
+                same_process="nixl",
+                **consumer_kw,
+            )
         )
         session = await c.connect(engine.endpoint)
         gc.collect()
@@ -130,8 +147,12 @@ async def test_concurrent_checked_pulls_leave_nothing_for_the_garbage_collector(
             gc.set_debug(0)
             gc.garbage.clear()
             gc.enable()
-        assert [r.path for r in results] == ["read"] * len(reqs)
-        assert c.metrics.snapshot().counters.get("xfers_check", 0) >= 1  # checks went through the batcher
+        assert [r.path for r in results] == [path] * len(reqs)
+        for n, req in enumerate(reqs):
+            local = local_ids(SPEC, n, req.num_tokens)
+            assert verify_request(c.kv_caches, SPEC, 0, 1, local, req.seed, num_tokens=req.num_tokens)
+        if path != "push":  # the checks went through the batcher
+            assert c.metrics.snapshot().counters.get("xfers_check", 0) >= 1
         assert cyclic == []
 
 

@@ -17,6 +17,7 @@ not wait for that rank's poller.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -322,7 +323,7 @@ class NixlRead:
         self.batcher = batcher
         self.fingerprint = fingerprint  # exposure.digest(remote_ids), if the caller has it
         self._hash: int | None = None  # exposure.request_hash(request_id), once the checks are posted
-        self._owner: object = None  # see owner
+        self._owner: weakref.ref[object] | None = None  # see owner
         self.checking = False
         self._ranks = frozenset(post.rank for post in posts)
         self._errored: XferHandle = None
@@ -340,13 +341,15 @@ class NixlRead:
     @property
     def owner(self) -> object:
         """Whose handles the reaper holds: this read, or the path wrapping it (which sets
-        itself). Held as None for this read itself, so that the read is no reference cycle
-        (freed as soon as it is dropped, not by the garbage collector)."""
-        return self if self._owner is None else self._owner
+        itself). Held as None for this read itself and by weak reference for a wrapping path
+        (which holds this read), so that no pull is a reference cycle (freed as soon as it is
+        dropped, not by the garbage collector)."""
+        owner = None if self._owner is None else self._owner()
+        return self if owner is None else owner
 
     @owner.setter
     def owner(self, owner: object) -> None:
-        self._owner = None if owner is self else owner
+        self._owner = None if owner is self else weakref.ref(owner)
 
     @property
     def ranks(self) -> frozenset[int]:
