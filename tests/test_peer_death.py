@@ -25,11 +25,14 @@ from tests.conftest import cli_spec, stop
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-#: rounds per case: by default each of the three fault points (POINTS) once; AKV_CHAOS_ROUNDS=10
-#: for the thorough run (the suite's time budget holds three)
-ROUNDS = int(os.environ.get("AKV_CHAOS_ROUNDS", "3"))
-#: a fresh prefill process per round (~15 s each): fewer by default, AKV_CHAOS_PREFILL_ROUNDS for more
+#: rounds per peer-death case: by default two of the three fault points (POINTS), each case
+#: starting at another one (`point`), so that every point is hit by several cases of each kind;
+#: AKV_CHAOS_ROUNDS=10 for the thorough run (the suite's time budget holds two)
+ROUNDS = int(os.environ.get("AKV_CHAOS_ROUNDS", "2"))
+#: a fresh prefill process per round (~15 s each): AKV_CHAOS_PREFILL_ROUNDS for more
 PREFILL_ROUNDS = int(os.environ.get("AKV_CHAOS_PREFILL_ROUNDS", "2"))
+#: rounds of the session-closing case (one case: every point)
+CLOSE_ROUNDS = max(ROUNDS, 3)
 PER_REQUEST = 128  # 256 KiB blocks: 32 MiB requests
 GEOMETRY = [
     "--layers",
@@ -136,7 +139,12 @@ async def pull_exact(endpoint: str, s: akv.KVSpec, req: Any, mode: str | None) -
         assert verify_request(kv, s, 0, 1, local, req.seed)
 
 
-async def assert_released_once(proc: subprocess.Popen[str]) -> None:
+def point(case: tuple[str, str, str | None], k: int) -> float:
+    """The fault point of round ``k`` of a peer-death case: the cases start at different points."""
+    return POINTS[(PEER_FAULTS.index(case) + k) % len(POINTS)]
+
+
+async def assert_released_once(proc: subprocess.Popen[str], rounds: int = ROUNDS) -> None:
     """Stop the prefill (SIGTERM): it did not die of a signal, no request was released twice,
     and every round's second pull (and the clean one) was released."""
     proc.send_signal(signal.SIGTERM)
@@ -144,7 +152,7 @@ async def assert_released_once(proc: subprocess.Popen[str]) -> None:
     out = await anyio.to_thread.run_sync(proc.stdout.read)
     assert proc.wait(10) >= 0, f"the prefill died of signal {-proc.returncode}"
     summary = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1]
-    assert summary["duplicate_releases"] == 0 and summary["released"] >= ROUNDS + 1, summary
+    assert summary["duplicate_releases"] == 0 and summary["released"] >= rounds + 1, summary
 
 
 #: (fault, transport, mode) of the peer-death cases: every link killed; frozen (SIGSTOP), the
@@ -163,8 +171,8 @@ PEER_FAULTS = [
 async def test_decode_dying_mid_transfer_leaves_prefill_serving(
     transport_env: str, mode: str | None, fault: str
 ) -> None:
-    """A decode process SIGKILLed, or SIGSTOPped and resumed, at three points of a 32 MiB pull:
-    the prefill process never dies, a new decode pulls bit-exact after every round, and every
+    """A decode process SIGKILLed, or SIGSTOPped and resumed, at two of three points of a 32 MiB
+    pull (`point`): the prefill process never dies, a new decode pulls bit-exact after every round, and every
     request the new decodes pulled is released once, none twice."""
     transport = transport_env
     requests = 2 * ROUNDS + 1
@@ -185,7 +193,7 @@ async def test_decode_dying_mid_transfer_leaves_prefill_serving(
                 except AssertionError:
                     assert proc.poll() is None, f"round {k}: the prefill died ({proc.returncode})"
                     raise
-                time.sleep(POINTS[k % len(POINTS)] * clean)
+                time.sleep(point((fault, transport, mode), k) * clean)
                 if fault == "kill":
                     victim.kill()
                 else:
@@ -214,7 +222,7 @@ async def test_decode_closing_its_session_mid_transfer_leaves_prefill_serving(
     aclose returned, the prefill never dies, the next pull verifies bit-exact, and the prefill
     releases every request once."""
     transport = transport_env
-    requests = 2 * ROUNDS + 1
+    requests = 2 * CLOSE_ROUNDS + 1
     proc, endpoint = start_prefill(requests, transport, lease=600.0)
     try:
         s = spec(requests * PER_REQUEST)
@@ -227,7 +235,7 @@ async def test_decode_closing_its_session_mid_transfer_leaves_prefill_serving(
             started = time.monotonic()
             await (await (await c.connect(endpoint)).pull(reqs[-1].request_id, local, reqs[-1].block_ids))
             clean = time.monotonic() - started
-            for k in range(ROUNDS):
+            for k in range(CLOSE_ROUNDS):
                 session = await c.connect(endpoint)
                 assert session.mode == (mode or "push"), session.mode  # over TCP the default pushes
                 t = await session.pull(reqs[2 * k].request_id, local, reqs[2 * k].block_ids)
@@ -247,7 +255,7 @@ async def test_decode_closing_its_session_mid_transfer_leaves_prefill_serving(
                 with anyio.fail_after(60):
                     await (await (await c.connect(endpoint)).pull(r.request_id, local, r.block_ids))
                 assert verify_request(kv, s, 0, 1, local, r.seed)
-        await assert_released_once(proc)
+        await assert_released_once(proc, CLOSE_ROUNDS)
     finally:
         stop(proc)
 
@@ -256,8 +264,8 @@ async def test_decode_closing_its_session_mid_transfer_leaves_prefill_serving(
 async def test_prefill_dying_mid_transfer_leaves_decode_serving(
     transport_env: str, mode: str | None, fault: str
 ) -> None:
-    """A prefill process SIGKILLed, or SIGSTOPped (resumed once the pull failed), at three points
-    of a pull: the pull fails typed within its timeout plus 5 s, this decode keeps running and
+    """A prefill process SIGKILLed, or SIGSTOPped (resumed once the pull failed), at two of three
+    points of a pull (`point`): the pull fails typed within its timeout plus 5 s, this decode keeps running and
     pulls bit-exact from another prefill engine, and a stopped prefill still serves once resumed."""
     transport = transport_env
     other, other_endpoint = start_prefill(PREFILL_ROUNDS + 1, transport, lease=60.0)
@@ -278,7 +286,7 @@ async def test_prefill_dying_mid_transfer_leaves_decode_serving(
                     reqs = await fetch_requests(endpoint, s, None, "chaos")
                     session = await c.connect(endpoint)
                     t = await session.pull(reqs[0].request_id, local, reqs[0].block_ids)
-                    await anyio.sleep(POINTS[k % len(POINTS)] * clean)
+                    await anyio.sleep(point((fault, transport, mode), k) * clean)
                     victim.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
                     hit = time.monotonic()
                     try:
