@@ -46,6 +46,13 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+def one_rank_consumer(**kw: Any) -> akv.Consumer:
+    """A TP-1 decode rank of `SPEC` that reads even from this process over NIXL."""
+    return akv.Consumer(
+        akv.allocate_kv_cache(SPEC, 0, 1), SPEC, tp_rank=0, tp_size=1, same_process="nixl", **kw
+    )
+
+
 async def pulls_counted(
     p: int, consumer_kw: dict[str, Any], prefill_kw: dict[str, Any]
 ) -> tuple[set[str], dict[str, float], list[dict[str, int]]]:
@@ -55,16 +62,7 @@ async def pulls_counted(
     reqs = make_requests(SPEC, PULLS, 3, seed=9)
     async with prefill_engine(SPEC, p, **prefill_kw) as engine, AsyncExitStack() as stack:
         engine.expose_requests(reqs)
-        c = await stack.enter_async_context(
-            akv.Consumer(
-                akv.allocate_kv_cache(SPEC, 0, 1),
-                SPEC,
-                tp_rank=0,
-                tp_size=1,
-                same_process="nixl",
-                **consumer_kw,
-            )
-        )
+        c = await stack.enter_async_context(one_rank_consumer(**consumer_kw))
         session = await c.connect(engine.endpoint)
         before = dict(c.metrics.snapshot().counters)
         paths = set()
@@ -118,16 +116,7 @@ async def test_concurrent_checked_pulls_leave_nothing_for_the_garbage_collector(
         AsyncExitStack() as stack,
     ):
         engine.expose_requests(reqs)
-        c = await stack.enter_async_context(
-            akv.Consumer(
-                akv.allocate_kv_cache(SPEC, 0, 1),
-                SPEC,
-                tp_rank=0,
-                tp_size=1,
-                same_process="nixl",
-                **consumer_kw,
-            )
-        )
+        c = await stack.enter_async_context(one_rank_consumer(**consumer_kw))
         session = await c.connect(engine.endpoint)
         gc.collect()
         gc.disable()
