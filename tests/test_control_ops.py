@@ -225,10 +225,10 @@ async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(tra
             await (await session.pull(first.request_id, [0, 1, 2, 3], first.block_ids))  # links the rank
             # wait until the READ behind the first notice was posted and is done, that is until
             # the prefill rank acknowledged the notice (rather than for a fixed pause)
-            counters = consumer.metrics.snapshot
+            flush_reads = CONTROL_OPS["flush_reads"]
             with anyio.fail_after(10):
                 while (
-                    counters().counters.get(CONTROL_OPS["flush_reads"], 0) < 1 or consumer.reaper.background
+                    consumer.metrics.snapshot().counters.get(flush_reads, 0) < 1 or consumer.reaper.background
                 ):
                     await anyio.sleep(0.02)
             proc.send_signal(signal.SIGSTOP)

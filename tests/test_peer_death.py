@@ -172,8 +172,8 @@ async def test_decode_dying_mid_transfer_leaves_prefill_serving(
     transport_env: str, mode: str | None, fault: str
 ) -> None:
     """A decode process SIGKILLed, or SIGSTOPped and resumed, at two of three points of a 32 MiB
-    pull (`point`): the prefill process never dies, a new decode pulls bit-exact after every round, and every
-    request the new decodes pulled is released once, none twice."""
+    pull (`point`): the prefill process never dies, a new decode pulls bit-exact after every
+    round, and every request the new decodes pulled is released once, none twice."""
     transport = transport_env
     requests = 2 * ROUNDS + 1
     proc, endpoint = start_prefill(requests, transport, lease=600.0)
@@ -265,8 +265,9 @@ async def test_prefill_dying_mid_transfer_leaves_decode_serving(
     transport_env: str, mode: str | None, fault: str
 ) -> None:
     """A prefill process SIGKILLed, or SIGSTOPped (resumed once the pull failed), at two of three
-    points of a pull (`point`): the pull fails typed within its timeout plus 5 s, this decode keeps running and
-    pulls bit-exact from another prefill engine, and a stopped prefill still serves once resumed."""
+    points of a pull (`point`): the pull fails typed within its timeout plus 5 s, this decode
+    keeps running and pulls bit-exact from another prefill engine, and a stopped prefill still
+    serves once resumed."""
     transport = transport_env
     other, other_endpoint = start_prefill(PREFILL_ROUNDS + 1, transport, lease=60.0)
     try:
