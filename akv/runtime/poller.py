@@ -41,10 +41,13 @@ if TYPE_CHECKING:
     from akv.backends import Backend
     from akv.metrics import Metrics
 
-__all__ = ["FLUSH_S", "PUSH_POLL_S", "REAP_EVERY_S", "REAP_S", "PullPoller"]
+__all__ = ["FLUSH_DELAY_S", "FLUSH_S", "PUSH_POLL_S", "REAP_EVERY_S", "REAP_S", "PullPoller"]
 
 #: Seconds the poller keeps progressing the agent after standalone notices were sent.
 FLUSH_S = 0.5
+#: Seconds a notice waits for its flush READ (see `PullPoller.noticed`): a direct read posted
+#: to the same rank meanwhile flushes behind it instead, and the flush is not posted.
+FLUSH_DELAY_S = 0.001
 #: Longest sleep of the poller while push pulls are in flight.
 PUSH_POLL_S = 0.0005
 #: Seconds after a timed-out pull during which the idle poller still progresses the agent
@@ -101,8 +104,8 @@ class PullPoller:
         self._reaper: Reaper | None = None
         self._flush_until = 0.0
         self._reap_until = 0.0
-        # prefill ranks sent notices since the poller last flushed behind them
-        self._unflushed: set[tuple[PullOwner, int]] = set()
+        # prefill ranks sent notices since the poller last flushed behind them: when
+        self._unflushed: dict[tuple[PullOwner, int], float] = {}
         self._settling: dict[Transfer, AkvError] = {}  # failed pulls whose reads may still land
         self._resetting: anyio.Event | None = None  # set while the agent is being replaced
         self._retry_reset_at = 0.0
@@ -206,11 +209,13 @@ class PullPoller:
             self._grants[transfer.op.grant] = transfer
         now = time.monotonic()
         self._launched += 1
+        if self._unflushed and transfer.op.path in ("read", "packed"):
+            # its first READs went out behind the notices to those ranks: they flush behind them
+            for rank in transfer.op.ranks:
+                self._unflushed.pop((transfer.session, rank), None)
         self._check(transfer, now)
         if self._batched and self._inline:
             self._post_checks(now)
-        if self._unflushed:  # it finished at once: flush before the caller's next pull
-            self._flush_noticed()
         if not transfer.done():
             self._backoff.wake()
 
@@ -225,10 +230,14 @@ class PullPoller:
         self._backoff.wake()
 
     def noticed(self, owner: PullOwner, ranks: Collection[int]) -> None:
-        """Notices went to these prefill ranks over NIXL: the poller flushes behind them at the
-        end of its round, one background READ per rank however many notices it got (see
-        `akv.runtime.paths.read.flush_after_notice`)."""
-        self._unflushed.update((owner, rank) for rank in ranks)
+        """Notices went to these prefill ranks over NIXL: the poller flushes behind them, one
+        background READ per rank however many notices it got (see
+        `akv.runtime.paths.read.flush_after_notice`), once `FLUSH_DELAY_S` passed without a
+        direct or packed pull of ``owner`` reading from the rank (whose first READs flush behind
+        them as well: pulls back to back post no flush READ)."""
+        now = time.monotonic()
+        for rank in ranks:
+            self._unflushed[(owner, rank)] = now
         self._backoff.wake()
 
     def pump(self) -> None:
@@ -318,11 +327,13 @@ class PullPoller:
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def _flush_noticed(self) -> None:
-        """One background READ behind the notices to each rank noticed (see
-        `PullOwner.flush_check` for the ranks that get none)."""
-        unflushed, self._unflushed = self._unflushed, set()
-        for owner, rank in unflushed:
+    def _flush_noticed(self, now: float) -> None:
+        """One background READ behind the notices to each rank noticed at least
+        `FLUSH_DELAY_S` ago (see `PullOwner.flush_check` for the ranks that get none)."""
+        due = [key for key, when in self._unflushed.items() if now - when >= FLUSH_DELAY_S]
+        for key in due:
+            del self._unflushed[key]
+        for owner, rank in due:
             check = None if owner.closed else owner.flush_check(rank)
             if check is not None:
                 flush_after_notice(self._agent(), self.reaper, self.checks, check)
@@ -489,7 +500,7 @@ class PullPoller:
                 self._post_checks(now)
                 progressed = True
             if self._unflushed:
-                self._flush_noticed()
+                self._flush_noticed(time.monotonic())
             if self._stopping:
                 self._settle_pushes(now)
             reaper = self.reaper
@@ -520,7 +531,9 @@ class PullPoller:
                     self._agent().progress()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.log.warning("progressing the agent failed", error=str(exc))
-            if len(self._tracker) or flushing or self._settling or self._stopping:
+            if self._unflushed:  # flush READs fall due
+                await backoff.wait(busy=True, limit=FLUSH_DELAY_S)
+            elif len(self._tracker) or flushing or self._settling or self._stopping:
                 # push: the writers' notices are the completion; look for them often
                 await backoff.wait(busy=True, limit=PUSH_POLL_S if pushing and self._grants else None)
             else:
