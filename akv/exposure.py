@@ -14,7 +14,8 @@ buckets of ``SLOTS`` slots, a slot being three int64 words ``(token, digest, nbl
 
 A request lives in bucket ``hash47 % buckets``. After its data reads complete, a decode rank
 reads that one bucket (one small READ, which also carries its "done" notice, so the prefill
-rank cannot release before the bucket was read) and checks it with :func:`verify`: success
+rank cannot release before the bucket was read; on the prefill rank's host, a copy from the
+table in shared memory, `akv.shm`, with the notice sent after it) and checks it with :func:`verify`: success
 needs a slot of its request in state EXPOSED with the digest of the block ids it was given.
 No round trip through the prefill rank's event loop is involved.
 """
@@ -22,6 +23,7 @@ No round trip through the prefill rank's event loop is involved.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +39,7 @@ from akv.errors import (
     ReleasedError,
     UnsafeReadError,
 )
+from akv.shm import SharedTable, TableShare
 
 __all__ = [
     "EXPOSED",
@@ -84,13 +87,30 @@ def digest(block_ids: npt.NDArray[np.int32]) -> int:
 
 
 class ExposureTable:
-    """The prefill side's table (the array is what gets registered with NIXL)."""
+    """The prefill side's table (the array is what gets registered with NIXL). ``shared``:
+    kept in shared memory that decode ranks on this host may map (`akv.shm`; Linux only,
+    elsewhere the table stays private)."""
 
-    def __init__(self, buckets: int = 4096) -> None:
+    def __init__(self, buckets: int = 4096, *, shared: bool = False) -> None:
         if buckets < 1:
             raise ConfigError(f"exposure table buckets must be >= 1, got {buckets}")
         self.buckets = buckets
-        self.array = np.zeros((buckets, SLOTS, SLOT_WORDS), dtype=np.int64)
+        shape = (buckets, SLOTS, SLOT_WORDS)
+        self._shared: SharedTable | None = None
+        if shared and hasattr(os, "memfd_create"):
+            self._shared = SharedTable(buckets * SLOTS * SLOT_WORDS)
+            self.array = self._shared.array.reshape(shape)
+        else:
+            self.array = np.zeros(shape, dtype=np.int64)
+
+    def share(self) -> TableShare | None:
+        """What a handshake offers decode ranks of this host (None: the table is private)."""
+        return None if self._shared is None else self._shared.share()
+
+    def close(self) -> None:
+        """Stop offering the table to decode ranks that have not mapped it yet."""
+        if self._shared is not None:
+            self._shared.close()
 
     @property
     def bucket_bytes(self) -> int:

@@ -51,6 +51,8 @@ COUNTERS: tuple[str, ...] = (
     "xfers_check",
     "xfers_directory",
     "xfers_flush",
+    "xfers_notice",
+    "checks_shared",
     # push control messages through a decode rank
     "push_announces_sent",
     "push_notices_received",
@@ -59,13 +61,16 @@ COUNTERS: tuple[str, ...] = (
 
 #: The operations of a pull besides its data, by kind: the decode rank's counter of each.
 #: ``check_reads``: exposure-check READs; ``directory_reads``: packed-copy directory READs;
-#: ``flush_reads``: background READs behind notices; ``notices``: standalone notices sent;
+#: ``flush_reads``: background READs behind notices; ``notice_reads``: background READs
+#: carrying the "done" notices of checks made in shared memory (`akv.shm`), many pulls' each;
+#: ``notices``: standalone notices sent;
 #: ``push_announces``: push grants announced to writers; ``push_notices``: writers' notices
 #: received (``pushed``, ``stopped``, ``failed``).
 CONTROL_OPS: dict[str, str] = {
     "check_reads": "xfers_check",
     "directory_reads": "xfers_directory",
     "flush_reads": "xfers_flush",
+    "notice_reads": "xfers_notice",
     "notices": "notifications_sent",
     "push_announces": "push_announces_sent",
     "push_notices": "push_notices_received",

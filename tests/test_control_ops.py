@@ -75,27 +75,54 @@ async def pulls_counted(
         after = c.metrics.snapshot().counters
         spent = {k: (after.get(v, 0) - before.get(v, 0)) / PULLS for k, v in CONTROL_OPS.items()}
         spent["data"] = (after["xfers_data"] - before.get("xfers_data", 0)) / PULLS
+        spent["shared"] = (after.get("checks_shared", 0) - before.get("checks_shared", 0)) / PULLS
         prefill = [dict(prod.metrics.snapshot().counters) for prod in engine.producers]
     return paths, spent, prefill
 
 
 @pytest.mark.parametrize("p", [1, 2])
 async def test_a_direct_pull_posts_one_read_and_one_check_per_prefill_rank(p: int) -> None:
-    """A checked direct pull from ``p`` prefill ranks posts, per rank, one data READ and one
-    check READ (carrying the "done" notice); pulls back to back post no background READ
-    behind their notices (the next pull's READs flush behind them), only the last pull does;
-    no standalone notice, no directory, no push message."""
-    paths, spent, _ = await pulls_counted(p, {}, {})
+    """A checked direct pull from ``p`` prefill ranks, its checks READ (``check_with="read"``),
+    posts, per rank, one data READ and one check READ (carrying the "done" notice); pulls back
+    to back post no background READ behind their notices (the next pull's READs flush behind
+    them), only the last pull does; no standalone notice, no directory, no push message."""
+    paths, spent, _ = await pulls_counted(p, {"check_with": "read"}, {})
     assert paths == {"read"}
     assert spent == {
         "data": p,
         "check_reads": p,
         "directory_reads": 0,
         "flush_reads": p / PULLS,
+        "notice_reads": 0,
         "notices": 0,
         "push_announces": 0,
         "push_notices": 0,
+        "shared": 0,
     }
+
+
+@pytest.mark.parametrize("p", [1, 2])
+async def test_a_direct_pull_from_this_host_checks_in_shared_memory(p: int) -> None:
+    """A checked direct pull from ``p`` prefill ranks of this host (by default) posts, per
+    rank, one data READ and no check READ: each check copies its bucket from the rank's table
+    in shared memory; the "done" notices go out after the pull, on at most one background
+    READ per rank and pull (pulls back to back share one), and every request is released on
+    every prefill rank by read, once."""
+    paths, spent, prefill = await pulls_counted(p, {}, {})
+    assert paths == {"read"}
+    assert 0 < spent.pop("notice_reads") <= p
+    assert 0 < spent.pop("flush_reads") <= p
+    assert spent == {
+        "data": p,
+        "check_reads": 0,
+        "directory_reads": 0,
+        "notices": 0,
+        "push_announces": 0,
+        "push_notices": 0,
+        "shared": p,
+    }
+    for counters in prefill:
+        assert counters["released_read"] == PULLS and counters.get("notifications_invalid", 0) == 0
 
 
 #: the consumer's settings that take each path (a packed pull also needs a packing prefill)
@@ -110,7 +137,8 @@ async def test_concurrent_checked_pulls_leave_nothing_for_the_garbage_collector(
     run (each of its passes stops the event loop for all of them)."""
     import gc
 
-    consumer_kw = ON_PATH[path]
+    # checks READ through the batcher (its tickets and batches are what could hold cycles)
+    consumer_kw = {**ON_PATH[path], **({"check_with": "read"} if path != "push" else {})}
     reqs = make_requests(SPEC, 4, 2, seed=5)  # 4 at once: the most this pool's blocks hold (see local_ids)
     async with (
         prefill_engine(SPEC, 2, **({"transfer": "packed"} if path == "packed" else {})) as engine,
@@ -148,15 +176,18 @@ async def test_concurrent_checked_pulls_leave_nothing_for_the_garbage_collector(
 
 @pytest.mark.parametrize("p", [1, 2])
 async def test_a_packed_pull_adds_only_the_directory_read(p: int) -> None:
-    """A checked packed pull from ``p`` prefill ranks posts, per rank, one directory READ, one
-    READ of the packed copy and one check READ, and at most one background READ behind its
-    notice (the last pull always: no pull follows it); nothing else."""
+    """A checked packed pull from ``p`` prefill ranks of this host posts, per rank, one
+    directory READ and one READ of the packed copy; its check copies the bucket from shared
+    memory, and its notice goes on at most one background READ, with at most one background
+    READ behind it (the last pull always: no pull follows it); nothing else."""
     paths, spent, _ = await pulls_counted(p, {"transfer": "packed"}, {"transfer": "packed"})
     assert paths == {"packed"}
     assert p / PULLS <= spent.pop("flush_reads") <= p
+    assert 0 < spent.pop("notice_reads") <= p
     assert spent == {
         "data": p,
-        "check_reads": p,
+        "check_reads": 0,
+        "shared": p,
         "directory_reads": p,
         "notices": 0,
         "push_announces": 0,
@@ -176,6 +207,8 @@ async def test_a_push_costs_one_announcement_and_one_pushed_notice_per_writer(p:
         "check_reads": 0,
         "directory_reads": 0,
         "flush_reads": 0,
+        "notice_reads": 0,
+        "shared": 0,
         "notices": 0,
         "push_announces": p,
         "push_notices": p,
@@ -189,9 +222,10 @@ async def test_a_push_costs_one_announcement_and_one_pushed_notice_per_writer(p:
 
 def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
     """`akv bench --only latency --mode push` reports, for one-block pulls, akv's p50 beside the
-    hand-written loop's (``nixl_p50_ms``), and per pull one data READ with one check READ and
-    at most one background READ (``control_ops``: none where the next pull follows at once),
-    and for pushed pulls one announcement and one notice (``push_control_ops``)."""
+    hand-written loop's (``nixl_p50_ms``), and per pull one data READ, no check READ (the
+    prefill runs on this host: checks are memory loads), at most one background READ carrying
+    notices and one behind them (``control_ops``: pulls in a row share them), and for pushed
+    pulls one announcement and one notice (``push_control_ops``)."""
     proc = subprocess.run(
         [sys.executable, "-m", "akv", "bench", "--quick", "--only", "latency", "--mode", "push", "--json"],
         capture_output=True,
@@ -205,8 +239,8 @@ def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
     assert w["data_xfers"] == 1
     zero = dict.fromkeys(CONTROL_OPS, 0)
     ops = w["control_ops"]
-    assert 0 < ops["flush_reads"] <= 1
-    assert {**ops, "flush_reads": 0} == {**zero, "check_reads": 1}
+    assert 0 < ops["flush_reads"] <= 1 and 0 < ops["notice_reads"] <= 1
+    assert {**ops, "flush_reads": 0, "notice_reads": 0} == zero
     assert w["push_control_ops"] == {**zero, "push_announces": 1, "push_notices": 1}
 
 
@@ -214,7 +248,7 @@ def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
 async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(transfer: str) -> None:
     """A checked pull (direct, or packed with its directory READ) needs nothing from the
     prefill rank's poller on its way to completion: its bytes, directory and exposure check
-    are one-sided READs and its "done" notice rides the last of them, so it completes,
+    are one-sided READs or memory loads (`akv.shm`), and its "done" notice rides a READ, so it completes,
     bit-exact, while the prefill process is stopped; once it runs again it gets the notice and
     releases the request once, by read. (A hop through the prefill's poller would be a sleep
     of that poller on every pull's critical path.)"""
@@ -245,7 +279,8 @@ async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(tra
                 assert verify(consumer, [4, 5, 6, 7], second.seed, range(4))
             finally:
                 proc.send_signal(signal.SIGCONT)
-            summary = summary_of(proc)
+            # the event loop keeps running meanwhile: a notice may still be queued for the poller
+            summary = await anyio.to_thread.run_sync(summary_of, proc)
     assert took < 5, took
     assert summary["released"] == 2 and summary["expired"] == 0, summary
     assert summary["duplicate_releases"] == 0 and summary["unreleased"] == 0, summary

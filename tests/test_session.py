@@ -261,7 +261,7 @@ async def test_exhausted_check_slots_are_back_pressure_not_a_broken_link() -> No
     # check slots belong to the NIXL read path: same_process="nixl" reads even from this process
     async with (
         prefill_engine(spec, 1) as engine,
-        decode_engine(spec, 1, max_checks=1, same_process="nixl") as (consumer,),
+        decode_engine(spec, 1, max_checks=1, same_process="nixl", check_with="read") as (consumer,),
     ):
         for i in range(10):
             engine.fill(f"r{i}", [i + 1], seed=i)
@@ -362,7 +362,7 @@ class Recording(NixlBackend):
 @pytest.mark.parametrize("kind", ["dense", "mla", "packed"])
 async def test_every_notice_is_followed_by_a_read_that_flushes_behind_it(kind: str) -> None:
     """Each "done" notice to a prefill rank, carried by the exposure check READ (of direct or
-    packed reads) or sent alone (MLA: to the rank not read from), is
+    packed reads; ``check_with="read"``) or sent alone (MLA: to the rank not read from), is
     followed by a READ without a notice to that rank, so that no later pull's first READ
     waits for the rank to acknowledge the notice: the next pull's own first READ where it
     follows at once, else a small READ into the check pool's scratch slot, which always
@@ -373,7 +373,9 @@ async def test_every_notice_is_followed_by_a_read_that_flushes_behind_it(kind: s
     transfer = "packed" if kind == "packed" else "direct"
     async with (
         prefill_engine(spec, 2, transfer=transfer) as engine,
-        decode_engine(spec, 1, same_process="nixl", backend=backend, transfer=transfer) as (consumer,),
+        decode_engine(
+            spec, 1, same_process="nixl", check_with="read", backend=backend, transfer=transfer
+        ) as (consumer,),
     ):
         session = await consumer.connect(engine.endpoint)
         for i in range(3):
@@ -435,7 +437,7 @@ async def test_concurrent_pulls_share_the_flush_behind_the_last_notice() -> None
     backend = Spaced(f"spaced-{id(spec)}")
     async with (
         prefill_engine(spec, 2) as engine,
-        decode_engine(spec, 1, same_process="nixl", backend=backend) as (consumer,),
+        decode_engine(spec, 1, same_process="nixl", check_with="read", backend=backend) as (consumer,),
     ):
         session = await consumer.connect(engine.endpoint)
         for i in range(8):
@@ -470,7 +472,9 @@ async def test_a_shared_check_read_keeps_its_slots_until_it_ends_though_its_pull
     backend = HeldSpaced(f"spaced-timeout-{id(spec)}")
     async with (
         prefill_engine(spec, 1) as engine,
-        decode_engine(spec, 1, same_process="nixl", backend=backend, max_checks=2) as (consumer,),
+        decode_engine(spec, 1, same_process="nixl", check_with="read", backend=backend, max_checks=2) as (
+            consumer,
+        ),
     ):
         session = await consumer.connect(engine.endpoint)
         for i in range(5):
@@ -496,9 +500,11 @@ class HeldRecording(HeldBackend, Recording):
 
 async def test_pulls_done_in_one_round_share_one_check_read_and_a_stale_one_fails_alone() -> None:
     """Eight pulls from P=2 whose data reads finish in the same poller round send each prefill
-    rank one exposure-check READ, carrying one "done" notice that names all eight; the pull
-    bound to an exposure that was replaced meanwhile fails with ReexposedError alone (its
-    name in the shared notice releases nothing), and the seven others verify and release by read."""
+    rank one READ carrying one "done" notice that names all eight (the ranks are of this
+    host: the checks copy their buckets from the tables in shared memory, and that READ goes
+    after them); the pull bound to an exposure that was replaced meanwhile fails with
+    ReexposedError alone (its name in the shared notice releases nothing), and the seven
+    others verify and release by read."""
     spec = make_spec(kv_heads=4, num_blocks=64)
     backend = HeldRecording(f"held-recording-{id(spec)}")
     async with (
@@ -529,6 +535,8 @@ async def test_pulls_done_in_one_round_share_one_check_read_and_a_stale_one_fail
             else:
                 await t
                 assert verify(consumer, [i + 16], i, range(1))
+        counters = consumer.metrics.snapshot().counters
+        assert counters["checks_shared"] == 16 and counters.get("xfers_check", 0) == 0
         agents = {op[1] for op in backend.ops}
         assert len(agents) == 2
         for agent in agents:
@@ -570,7 +578,9 @@ async def test_a_flush_read_that_never_ends_does_not_replace_the_agent(
     spec = make_spec(kv_heads=4)
     async with prefill_engine(spec, 1) as engine:
         monkeypatch.setattr(akv.backends.nixl, "NixlBackend", FlushesHang)  # the agent the rank creates
-        async with decode_engine(spec, 1, same_process="nixl", settle_timeout=0.2) as (consumer,):
+        async with decode_engine(spec, 1, same_process="nixl", check_with="read", settle_timeout=0.2) as (
+            consumer,
+        ):
             backend = consumer.backend
             assert isinstance(backend, FlushesHang)
             backend.scratch = consumer.checks.scratch

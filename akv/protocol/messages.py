@@ -29,6 +29,7 @@ import msgspec
 
 from akv.errors import FrameError, ProtocolError, VersionMismatchError
 from akv.geometry.cache import CacheSpec
+from akv.shm import TableShare
 
 __all__ = [
     "DEFAULT_CLIENT_MAX_FRAME",
@@ -190,6 +191,7 @@ class RankInfo(msgspec.Struct, frozen=True, kw_only=True):
     exposure_buckets: Annotated[int, msgspec.Meta(ge=0, le=MAX_BUCKETS)] = 0
     process: Name = ""  # names the rank's process (akv.runtime.local): a peer there copies instead
     pack: PackInfo | None = None  # set if the rank keeps packed copies of its exposures
+    exposure_share: TableShare | None = None  # its exposure table, for decode ranks of its host (akv.shm)
 
 
 class Metadata(_Msg, frozen=True, tag=True, kw_only=True):

@@ -89,6 +89,9 @@ class Consumer(RankBase):
             CPU tensors: the kernel under Triton's interpreter when ``TRITON_INTERPRET=1`` is
             set, else torch gathers and scatters; for tests and operation counts). See
             docs/gpu.md#kernels.
+        check_with: how the exposure check reads a prefill rank's table: ``"auto"`` (from
+            shared memory where the rank is on this host and offers it, with a memory load,
+            else a NIXL READ; see docs/security.md) or ``"read"`` (always a NIXL READ).
         max_checks: exposure checks in flight at once.
         settle_timeout: seconds a failed, timed-out or closed pull waits for NIXL to report
             reads it started finished (UCX cannot cancel a read in flight) before this rank
@@ -164,6 +167,7 @@ class Consumer(RankBase):
         same_process: str = "auto",
         copy_inline_bytes: int = 128 << 20,
         copy_with: str = "auto",
+        check_with: str = "auto",
         max_checks: int = 1024,
         backend: Backend | None = None,
         progress_thread: bool = False,
@@ -211,6 +215,9 @@ class Consumer(RankBase):
         if copy_with not in ("auto", "torch"):
             raise ConfigError(f"copy_with must be 'auto' or 'torch', got {copy_with!r}")
         self.copy_with = copy_with
+        if check_with not in ("auto", "read"):
+            raise ConfigError(f"check_with must be 'auto' or 'read', got {check_with!r}")
+        self.check_with = check_with
         if mode is None:
             mode = "auto"
         if mode not in ("pull", "push", "auto"):
@@ -265,6 +272,7 @@ class Consumer(RankBase):
         if self.verify_exposure:
             await anyio.to_thread.run_sync(backend.register_host, self.checks.array)
             self.checks.dlist = await anyio.to_thread.run_sync(backend.prep, "", self.checks.table(), "DRAM")
+            stack.push_async_callback(self._poller.send_notices)  # runs before the poller stops
         tg.start_soon(self._poller.run)
 
     async def enable_packing(self) -> None:

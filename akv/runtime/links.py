@@ -20,7 +20,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from akv import exposure
+from akv import exposure, shm
 from akv.errors import (
     AkvError,
     BackPressureError,
@@ -255,7 +255,13 @@ class EngineLinks:
                         [[info.exposure_addr, bucket_bytes, 0, bucket_bytes, info.exposure_buckets]],
                         dtype=np.int64,
                     )
-                    link.check = RankCheck(backend.prep(link.agent, table, "DRAM"), info.exposure_buckets)
+                    shape = (info.exposure_buckets, exposure.SLOTS, exposure.SLOT_WORDS)
+                    mapped = (
+                        shm.open_table(info.exposure_share, shape) if self.rank.check_with == "auto" else None
+                    )
+                    link.check = RankCheck(
+                        backend.prep(link.agent, table, "DRAM"), info.exposure_buckets, mapped
+                    )
                 if info.pack is not None and self.rank.staging is not None and self.mode != "push":
                     link.directory = packed.directory_check(backend, link.agent, info.pack)
         except BaseException:
@@ -284,6 +290,8 @@ class EngineLinks:
             handle = self.dlists.pop(key)
             if backend is not None:
                 backend.release_dlist(handle)
+        if link.check is not None:
+            link.check.released = True  # notices queued behind it are dropped (see CheckBatcher)
         if backend is not None:
             if link.check is not None:
                 backend.release_dlist(link.check.dlist)
@@ -451,6 +459,8 @@ class EngineLinks:
         calling it); the next pull re-links."""
         for link in self.links.values():
             link.dropped = True  # its reference died with the old agent
+            if link.check is not None:
+                link.check.released = True
             link.check = None
             link.directory = None  # a prepared list of the old agent (packed copies)
             link.broken = True

@@ -41,10 +41,20 @@ if TYPE_CHECKING:
     from akv.backends import Backend
     from akv.metrics import Metrics
 
-__all__ = ["FLUSH_DELAY_S", "FLUSH_S", "PUSH_POLL_S", "REAP_EVERY_S", "REAP_S", "PullPoller"]
+__all__ = [
+    "FLUSH_DELAY_S",
+    "FLUSH_S",
+    "NOTICE_GRACE_S",
+    "PUSH_POLL_S",
+    "REAP_EVERY_S",
+    "REAP_S",
+    "PullPoller",
+]
 
 #: Seconds the poller keeps progressing the agent after standalone notices were sent.
 FLUSH_S = 0.5
+#: Seconds a closing decode rank waits for the background READs carrying its last notices.
+NOTICE_GRACE_S = 1.0
 #: Seconds a notice waits for its flush READ (see `PullPoller.noticed`): a direct read posted
 #: to the same rank meanwhile flushes behind it instead, and the flush is not posted.
 FLUSH_DELAY_S = 0.001
@@ -161,6 +171,19 @@ class PullPoller:
         self._cut.clear()
         self._grants.clear()
         self.finish_settled(everything=True)
+
+    async def send_notices(self) -> None:
+        """Closing: post the "done" notices still queued (of checks made in shared memory, which
+        no pull waited for) and wait, up to `NOTICE_GRACE_S`, until the background READs
+        carrying them finished, while the poller still runs: the prefill ranks learn of every
+        pull that completed before the close instead of releasing by lease."""
+        with anyio.CancelScope(shield=True):
+            if self.batcher.notices:
+                self.batcher.post()
+            with anyio.move_on_after(NOTICE_GRACE_S):
+                while self._reaper is not None and self._reaper.background:
+                    self._backoff.wake()
+                    await anyio.sleep(0.001)
 
     async def stop_pushes(self) -> None:
         """Closing: fail the push pulls in flight and wait (up to ``stop_grace_s``) until
@@ -488,15 +511,15 @@ class PullPoller:
                     progressed |= self._drain()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.log.warning("draining notifications failed", error=str(exc))
-            if self._batched:  # checks queued at launch: out before the sweep polls their pulls
-                self._post_checks(now, poll=False)
+            if self._batched or self.batcher.notices:  # checks and notices queued at launch: out
+                self._post_checks(now, poll=False)  # before the sweep polls their pulls
                 progressed = True
             for _state, transfer in self._tracker:
                 try:
                     progressed |= self._check(transfer, now)
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.fail(transfer, exc)
-            if self._batched:
+            if self._batched or self.batcher.notices:
                 self._post_checks(now)
                 progressed = True
             if self._unflushed:

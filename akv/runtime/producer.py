@@ -226,7 +226,7 @@ class Producer(RankBase):
             lease_s=self.lease_s,
             expected=self.expected_notifications,
             accepts=self._accepts,
-            table=ExposureTable(buckets=max(1, -(-max_exposed // 4))),
+            table=ExposureTable(buckets=max(1, -(-max_exposed // 4)), shared=True),
             count=self.metrics.inc,
             split=self.cache.split if len(self.cache.groups) > 1 else None,
         )
@@ -265,6 +265,7 @@ class Producer(RankBase):
 
     async def _enter(self, stack: AsyncExitStack, tg: TaskGroup) -> None:
         await anyio.to_thread.run_sync(self.backend.register_host, self.ledger.table.array)
+        stack.callback(self.ledger.table.close)
         if self.packer is not None:
             await anyio.to_thread.run_sync(self.backend.register, [self.packer.pool])
             await anyio.to_thread.run_sync(self.backend.register_host, self.packer.directory.array)
@@ -336,6 +337,7 @@ class Producer(RankBase):
                 exposure_buckets=table.buckets,
                 process=local.PROCESS_TOKEN,
                 pack=self.packer.info(mem, dev) if self.packer is not None else None,
+                exposure_share=table.share(),
             )
         return self._info
 

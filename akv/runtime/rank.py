@@ -239,6 +239,9 @@ class DecodeRank(Protocol):
     def copy_with(self) -> str: ...
 
     @property
+    def check_with(self) -> str: ...
+
+    @property
     def pack_threshold(self) -> int: ...
 
     @property

@@ -3,7 +3,10 @@
 A pull reads in two stages: ``reading`` (one READ per prefill rank, of the plan's runs) and
 ``checking`` (one small READ per prefill rank read from, of the exposure-table bucket that
 proves the blocks were still exposed when the data reads completed; it carries the "done"
-notice, so the prefill rank cannot release before the check was read).
+notice, so the prefill rank cannot release before the check was read). Where the rank is on
+this host and shares its table (`akv.shm`, `RankCheck.table`), the check copies the bucket
+from memory instead, and its notice waits in the `CheckBatcher` for a background READ
+(`flush_after_notice`) that no pull waits for.
 
 Checks wait in the poller's `CheckBatcher` until the end of its round: then each prefill
 rank gets one check READ for all the pulls waiting on it, carrying one notice that names them
@@ -81,7 +84,9 @@ class CheckPool:
         self._free.append(slot)
 
 
-def flush_after_notice(backend: Backend, reaper: Reaper, pool: CheckPool, check: RankCheck) -> None:
+def flush_after_notice(
+    backend: Backend, reaper: Reaper, pool: CheckPool, check: RankCheck, notice: bytes = b""
+) -> bool:
     """Right after notices to a prefill rank, READ bucket 0 of its exposure table into the
     pool's scratch slot, in the background (the reaper releases the handle once it is done).
 
@@ -91,13 +96,19 @@ def flush_after_notice(backend: Backend, reaper: Reaper, pool: CheckPool, check:
     behind the notices, this READ's flush is acknowledged when the rank handles them, so the
     next pull's first READ finds nothing to wait for (``akv bench --only sparse_pulls``: a small pull
     every 0.3 s took 12 ms without, 1 ms with). It must follow the last notice (one posted
-    before a notice does not help the reads after it). A failure to post only costs that wait."""
+    before a notice does not help the reads after it). A failure to post only costs that wait.
+
+    ``notice``: the READ carries it (the "done" notices of checks made in shared memory,
+    which post no READ of their own). False if the READ could not be posted."""
+    if check.released:
+        return False
     one = np.zeros(1, dtype=np.int32)
     try:
-        handle = backend.read(pool.dlist, one + pool.scratch, check.dlist, one, b"")
+        handle = backend.read(pool.dlist, one + pool.scratch, check.dlist, one, notice)
     except AkvError:
-        return
+        return False
     reaper.drop_background(handle)
+    return True
 
 
 class CheckTicket:
@@ -199,6 +210,10 @@ class CheckBatcher:
     def __init__(self, pool: CheckPool) -> None:
         self.pool = pool
         self._waiting: dict[tuple[int, int], list[CheckTicket]] = {}
+        # "done" notices of checks made in shared memory, per prefill rank (and agent)
+        self._notices: dict[
+            tuple[int, int], tuple[Backend, Reaper, RankCheck, Callable[[str, int], None], list[bytes]]
+        ] = {}
         self._count = 0
         #: checks queued since the batcher was made (a poller sees whether a poll queued one)
         self.added = 0
@@ -213,6 +228,27 @@ class CheckBatcher:
         self._count += 1
         self.added += 1
 
+    @property
+    def notices(self) -> bool:
+        """True while "done" notices wait for the next `post`."""
+        return bool(self._notices)
+
+    def notify(
+        self,
+        backend: Backend,
+        reaper: Reaper,
+        check: RankCheck,
+        notice: bytes,
+        count: Callable[[str, int], None],
+    ) -> None:
+        """Queue the "done" notice of a check made in shared memory (its bucket was copied
+        already): the next `post` sends it, merged with the others to that rank, on one
+        background READ (`flush_after_notice`); no pull waits for it."""
+        entry = self._notices.get((id(backend), id(check)))
+        if entry is None:
+            entry = self._notices[(id(backend), id(check))] = (backend, reaper, check, count, [])
+        entry[4].append(notice)
+
     def withdraw(self, ticket: CheckTicket) -> bool:
         """Take a check back before it is posted; False if it was posted already."""
         tickets = self._waiting.get((id(ticket.backend), id(ticket.check)))
@@ -226,6 +262,13 @@ class CheckBatcher:
         """Post every check waiting (a READ that cannot be posted fails the pulls of that
         batch, through their tickets)."""
         waiting, self._waiting, self._count = self._waiting, {}, 0
+        notices, self._notices = self._notices, {}
+        for backend, reaper, check, count, queued in notices.values():
+            for at in range(0, len(queued), BATCH_MAX):
+                if flush_after_notice(
+                    backend, reaper, self.pool, check, merge_done_notices(queued[at : at + BATCH_MAX])
+                ):
+                    count("xfers_notice", 1)
         for queue in waiting.values():
             for at in range(0, len(queue), BATCH_MAX):
                 tickets = queue[at : at + BATCH_MAX]
@@ -270,12 +313,17 @@ class Post(Protocol):
     def post(self, backend: Backend, notice: bytes) -> XferHandle: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class RankCheck:
-    """Where a prefill rank's exposure table is: its prepared list and bucket count."""
+    """Where a prefill rank's exposure table is: its prepared list and bucket count, and
+    ``table``, the table itself mapped read-only where the rank is on this host (`akv.shm`:
+    the check then copies the bucket instead of READing it). ``released``: the list was given
+    back (the link dropped), nothing may be posted with it any more."""
 
     dlist: DlistHandle
     buckets: int
+    table: npt.NDArray[np.int64] | None = None
+    released: bool = False
 
 
 class NixlRead:
@@ -455,6 +503,14 @@ class NixlRead:
                 return Failed(exc)
             self._slots[rank] = slot
             bucket = h % check.buckets
+            if check.table is not None:  # on this host: a memory load, now that the data is in
+                pool.array[slot] = check.table[bucket]
+                self.count("checks_shared", 1)
+                if self.batcher is not None:
+                    self.batcher.notify(self.backend, self.reaper, check, self.notice, self.count)
+                elif flush_after_notice(self.backend, self.reaper, pool, check, self.notice):
+                    self.count("xfers_notice", 1)
+                continue
             if self.batcher is not None:
                 ticket = CheckTicket(self.backend, self.reaper, check, slot, bucket, self.notice, self.count)
                 self._tickets[rank] = ticket

@@ -1,0 +1,110 @@
+"""Exposure tables a decode rank on the same host reads from memory (Linux).
+
+A prefill rank keeps its exposure table (`akv.exposure`) in a memfd it maps, registers with
+NIXL as before, and offers in its handshake as a `TableShare`: its host, process id, file
+descriptor and a random token written at the file's head. A decode rank on the same host
+(same boot, network namespace and process namespace) opens ``/proc/PID/fd/FD`` read-only
+(the access UCX's ``cma`` transport already needs), maps it and checks the token; then its
+exposure check copies the request's bucket with a memory load after the data reads
+completed, instead of posting a READ and waiting for it. Anything else (another host, a
+peer that offers no share, a file that cannot be opened, a token that differs) returns None,
+and the check READs the table through NIXL as before.
+
+The argument for soundness is the READ check's: the bucket is read after every data read
+completed, and a prefill rank writes a request's release into its table before its blocks
+go back to the engine; a memory load sees that write no later than a READ posted at the
+same moment would.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import secrets
+from typing import Annotated
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["HEADER", "SharedTable", "TableShare", "host_key", "open_table"]
+
+#: Bytes before the table in the file: the token, then padding to a cache line.
+HEADER = 64
+_TOKEN = 16
+
+
+class TableShare(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a decode rank on the prefill rank's host finds its exposure table."""
+
+    host: Annotated[str, msgspec.Meta(max_length=256)]  # `host_key` of the prefill rank's process
+    pid: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+    fd: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+    token: Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
+@functools.cache
+def host_key() -> str:
+    """This process's host for table sharing: its kernel's boot id and its network and
+    process namespaces ("" where they cannot be read: nothing is shared)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        net = os.stat("/proc/self/ns/net").st_ino
+        pid = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{net}/{pid}"
+
+
+class SharedTable:
+    """An int64 array of ``words`` in a memfd, for the prefill rank that writes it."""
+
+    def __init__(self, words: int) -> None:
+        self.fd = os.memfd_create("akv-exposure", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, HEADER + words * 8)
+            self._map = mmap.mmap(self.fd, HEADER + words * 8)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.token = secrets.token_bytes(_TOKEN)
+        self._map[:_TOKEN] = self.token
+        self.array: npt.NDArray[np.int64] = np.frombuffer(
+            self._map, dtype=np.int64, offset=HEADER, count=words
+        )
+
+    def share(self) -> TableShare | None:
+        """What the handshake offers (None while the file is closed)."""
+        if self.fd < 0 or not host_key():
+            return None
+        return TableShare(host=host_key(), pid=os.getpid(), fd=self.fd, token=self.token)
+
+    def close(self) -> None:
+        """Stop offering the table (maps already made stay valid). Idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_table(share: TableShare | None, shape: tuple[int, ...]) -> npt.NDArray[np.int64] | None:
+    """A read-only view of the table ``share`` offers, of ``shape`` int64 words, if this
+    process is on its host and may open it; else None."""
+    if share is None or not share.host or share.host != host_key():
+        return None
+    size = HEADER + int(np.prod(shape)) * 8
+    try:
+        fd = os.open(f"/proc/{int(share.pid)}/fd/{int(share.fd)}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size != size:
+                return None
+            view = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, OverflowError):
+        return None
+    if view[:_TOKEN] != share.token:
+        view.close()
+        return None
+    return np.frombuffer(view, dtype=np.int64, offset=HEADER).reshape(shape)

@@ -1,0 +1,118 @@
+"""Exposure tables in shared memory (`akv.shm`): a decode rank on the prefill rank's host
+copies its check's bucket from the table with a memory load instead of a READ, and the check
+still fails every pull whose blocks were released before it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+import akv
+from akv import exposure, shm
+from akv.exposure import ExposureTable
+from tests.conftest import decode_rank, make_spec, prefill_engine, verify, wait_for
+from tests.transfers import HeldBackend
+
+SHAPE = (8, exposure.SLOTS, exposure.SLOT_WORDS)
+IDS = np.arange(4, dtype=np.int32)
+
+#: Run in another process: map the table a share names and verify request "r1" in it.
+CHILD = """
+import sys
+import msgspec
+import numpy as np
+from akv import exposure, shm
+share = msgspec.json.decode(sys.argv[1], type=shm.TableShare)
+view = shm.open_table(share, (8, exposure.SLOTS, exposure.SLOT_WORDS))
+if view is None:
+    print("unmapped")
+else:
+    bucket = view[exposure.request_hash("r1") % 8]
+    err = exposure.verify(bucket, "r1", np.arange(4, dtype=np.int32), prefill_rank=0, generation=7)
+    print(type(err).__name__ if err is not None else "exposed", view.flags.writeable)
+"""
+
+
+def child_sees(share: shm.TableShare) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, msgspec.json.encode(share).decode()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def test_another_process_of_this_host_maps_the_table_read_only_and_sees_each_release() -> None:
+    """A table in shared memory is mapped by another process of this host through the share
+    its handshake offers, read-only, and shows each write of the prefill rank: the exposure,
+    then its release by lease. A share with another token or host, or a table of another
+    size, maps nothing; once the table is closed no new process maps it."""
+    table = ExposureTable(SHAPE[0], shared=True)
+    share = table.share()
+    assert share is not None
+    table.publish("r1", IDS, generation=7)
+    assert child_sees(share) == "exposed False"
+    table.retire("r1", "expired")
+    assert child_sees(share) == "LeaseExpiredError False"
+    assert shm.open_table(msgspec.structs.replace(share, token=b"\0" * 16), SHAPE) is None
+    assert shm.open_table(msgspec.structs.replace(share, host="another-host"), SHAPE) is None
+    assert shm.open_table(share, (9, *SHAPE[1:])) is None
+    view = shm.open_table(share, SHAPE)
+    assert view is not None and not view.flags.writeable
+    table.close()
+    assert table.share() is None and child_sees(share) == "unmapped"
+    table.publish("r1", IDS, generation=8)  # a map made before the close still follows the table
+    bucket = view[exposure.request_hash("r1") % SHAPE[0]]
+    assert isinstance(exposure.verify(bucket, "r1", IDS, prefill_rank=0, generation=7), akv.ReexposedError)
+
+
+class HeldNoHeartbeats(HeldBackend):
+    """The real agent, reporting every transfer running until ``hold_until`` and sending no
+    notice while it holds (the pull's lease heartbeats), so that the lease runs out."""
+
+    def notify(self, agent: str, message: bytes) -> None:
+        if time.monotonic() >= self.hold_until:
+            super().notify(agent, message)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the check is the same under trio (tests/test_session.py runs both)
+
+
+@pytest.mark.anyio
+async def test_a_lease_that_runs_out_during_the_data_reads_fails_the_pull_checked_in_shared_memory() -> None:
+    """A pull whose data reads are still running when the request's lease runs out fails
+    with LeaseExpiredError: its check, a memory load from the prefill rank's table in shared
+    memory (mapped through the share the handshake offered; no check READ posted), sees the
+    release the prefill rank wrote before handing the blocks back; the request is released
+    once, by lease."""
+    spec = make_spec(kv_heads=4)
+    backend = HeldNoHeartbeats(f"held-shm-{id(spec)}")
+    async with (
+        prefill_engine(spec, 1) as engine,
+        decode_rank(spec, backend=backend, same_process="nixl") as consumer,
+    ):
+        session = await consumer.connect(engine.endpoint)
+        engine.fill("r1", [1], seed=1, lease=0.3)
+        backend.hold_until = time.monotonic() + 30
+        transfer = await session.pull("r1", [2], [1])
+        await wait_for(lambda: [r.reason for r in engine.releases] == ["expired"])
+        backend.hold_until = 0.0
+        with pytest.raises(akv.LeaseExpiredError):
+            await transfer
+        counters: dict[str, Any] = consumer.metrics.snapshot().counters
+        assert counters["checks_shared"] == 1 and counters.get("xfers_check", 0) == 0
+        engine.fill("r2", [3], seed=2)  # and a pull of a live exposure verifies
+        await (await session.pull("r2", [4], [3]))
+        assert verify(consumer, [4], 2, range(1))
+        assert consumer.metrics.snapshot().counters["checks_shared"] == 2
+        await wait_for(lambda: sorted(r.reason for r in engine.releases) == ["expired", "read"])
