@@ -22,6 +22,7 @@ import functools
 import mmap
 import os
 import secrets
+import stat
 from typing import Annotated
 
 import msgspec
@@ -95,9 +96,11 @@ def open_table(share: TableShare | None, shape: tuple[int, ...]) -> npt.NDArray[
         return None
     size = HEADER + int(np.prod(shape)) * 8
     try:
-        fd = os.open(f"/proc/{int(share.pid)}/fd/{int(share.fd)}", os.O_RDONLY | os.O_CLOEXEC)
+        # non-blocking: a peer naming a FIFO must not hang the open; only a regular file maps
+        fd = os.open(f"/proc/{int(share.pid)}/fd/{int(share.fd)}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
-            if os.fstat(fd).st_size != size:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 return None
             view = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:

@@ -4,6 +4,7 @@ still fails every pull whose blocks were released before it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -54,7 +55,8 @@ def test_another_process_of_this_host_maps_the_table_read_only_and_sees_each_rel
     """A table in shared memory is mapped by another process of this host through the share
     its handshake offers, read-only, and shows each write of the prefill rank: the exposure,
     then its release by lease. A share with another token or host, or a table of another
-    size, maps nothing; once the table is closed no new process maps it."""
+    size, or a file descriptor that is no table (a pipe), maps nothing; once the table is
+    closed no new process maps it."""
     table = ExposureTable(SHAPE[0], shared=True)
     share = table.share()
     assert share is not None
@@ -65,6 +67,13 @@ def test_another_process_of_this_host_maps_the_table_read_only_and_sees_each_rel
     assert shm.open_table(msgspec.structs.replace(share, token=b"\0" * 16), SHAPE) is None
     assert shm.open_table(msgspec.structs.replace(share, host="another-host"), SHAPE) is None
     assert shm.open_table(share, (9, *SHAPE[1:])) is None
+    read_end, write_end = os.pipe()  # a peer naming a pipe of its own: refused, not waited on
+    try:
+        pipe = msgspec.structs.replace(share, pid=os.getpid(), fd=read_end)
+        assert shm.open_table(pipe, SHAPE) is None
+    finally:
+        os.close(read_end)
+        os.close(write_end)
     view = shm.open_table(share, SHAPE)
     assert view is not None and not view.flags.writeable
     table.close()
