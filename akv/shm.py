@@ -3,8 +3,10 @@
 A prefill rank keeps its exposure table (`akv.exposure`) in a memfd it maps, registers with
 NIXL as before, and offers in its handshake as a `TableShare`: its host, process id, file
 descriptor and a random token written at the file's head. A decode rank on the same host
-(same boot, network namespace and process namespace) opens ``/proc/PID/fd/FD`` read-only
-(the access UCX's ``cma`` transport already needs), maps it and checks the token; then its
+(same boot, network namespace and process namespace, x86-64) opens ``/proc/PID/fd/FD``
+read-only (which needs ptrace read access to the prefill process: the same user, or
+privileges), checks that it is the sealed file of the announced size with the token at its
+head, and maps it; then its
 exposure check copies the request's bucket with a memory load after the data reads
 completed, instead of posting a READ and waiting for it. Anything else (another host, a
 peer that offers no share, a file that cannot be opened, a token that differs) returns None,
@@ -13,16 +15,21 @@ and the check READs the table through NIXL as before.
 The argument for soundness is the READ check's: the bucket is read after every data read
 completed, and a prefill rank writes a request's release into its table before its blocks
 go back to the engine; a memory load sees that write no later than a READ posted at the
-same moment would.
+same moment would. The copy reads each slot's token before its fingerprint and generation
+(`akv.runtime.paths.read.copy_bucket`), so it never pairs a token with an older exposure's
+fields.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import mmap
 import os
+import platform
 import secrets
 import stat
+import weakref
 from typing import Annotated
 
 import msgspec
@@ -34,6 +41,7 @@ __all__ = ["HEADER", "SharedTable", "TableShare", "host_key", "open_table"]
 #: Bytes before the table in the file: the token, then padding to a cache line.
 HEADER = 64
 _TOKEN = 16
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
 
 class TableShare(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,7 +56,11 @@ class TableShare(msgspec.Struct, frozen=True, kw_only=True):
 @functools.cache
 def host_key() -> str:
     """This process's host for table sharing: its kernel's boot id and its network and
-    process namespaces ("" where they cannot be read: nothing is shared)."""
+    process namespaces ("" where they cannot be read, or off x86-64: nothing is shared; the
+    check's copy relies on x86-64 keeping loads in order, see
+    `akv.runtime.paths.read.copy_bucket`)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -63,13 +75,18 @@ class SharedTable:
     """An int64 array of ``words`` in a memfd, for the prefill rank that writes it."""
 
     def __init__(self, words: int) -> None:
-        self.fd = os.memfd_create("akv-exposure", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("akv-exposure", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, HEADER + words * 8)
+            # its size is fixed for good: a map of it never faults past its end
+            fcntl.fcntl(
+                self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            )
             self._map = mmap.mmap(self.fd, HEADER + words * 8)
         except BaseException:
             os.close(self.fd)
             raise
+        self._closer = weakref.finalize(self, os.close, self.fd)  # closed with the table, at the latest
         self.token = secrets.token_bytes(_TOKEN)
         self._map[:_TOKEN] = self.token
         self.array: npt.NDArray[np.int64] = np.frombuffer(
@@ -84,9 +101,8 @@ class SharedTable:
 
     def close(self) -> None:
         """Stop offering the table (maps already made stay valid). Idempotent."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._closer()
+        self.fd = -1
 
 
 def open_table(share: TableShare | None, shape: tuple[int, ...]) -> npt.NDArray[np.int64] | None:
@@ -102,6 +118,8 @@ def open_table(share: TableShare | None, shape: tuple[int, ...]) -> npt.NDArray[
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 return None
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SIZE_SEALS != _SIZE_SEALS:
+                return None  # a file that may shrink under the map
             view = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)

@@ -501,8 +501,8 @@ class HeldRecording(HeldBackend, Recording):
 async def test_pulls_done_in_one_round_share_one_check_read_and_a_stale_one_fails_alone() -> None:
     """Eight pulls from P=2 whose data reads finish in the same poller round send each prefill
     rank one READ carrying one "done" notice that names all eight (the ranks are of this
-    host: the checks copy their buckets from the tables in shared memory, and that READ goes
-    after them); the pull bound to an exposure that was replaced meanwhile fails with
+    host: the checks copy their buckets from the tables in shared memory, and a background
+    READ carries the notice); the pull bound to an exposure that was replaced meanwhile fails with
     ReexposedError alone (its name in the shared notice releases nothing), and the seven
     others verify and release by read."""
     spec = make_spec(kv_heads=4, num_blocks=64)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -67,13 +68,18 @@ def test_another_process_of_this_host_maps_the_table_read_only_and_sees_each_rel
     assert shm.open_table(msgspec.structs.replace(share, token=b"\0" * 16), SHAPE) is None
     assert shm.open_table(msgspec.structs.replace(share, host="another-host"), SHAPE) is None
     assert shm.open_table(share, (9, *SHAPE[1:])) is None
-    read_end, write_end = os.pipe()  # a peer naming a pipe of its own: refused, not waited on
+    # a peer naming a pipe with no writer (an open that would wait for one): refused at once
+    read_end, write_end = os.pipe()
+    os.close(write_end)
     try:
         pipe = msgspec.structs.replace(share, pid=os.getpid(), fd=read_end)
-        assert shm.open_table(pipe, SHAPE) is None
+        opened: list[object] = []
+        thread = threading.Thread(target=lambda: opened.append(shm.open_table(pipe, SHAPE)), daemon=True)
+        thread.start()
+        thread.join(10)
+        assert opened == [None]
     finally:
         os.close(read_end)
-        os.close(write_end)
     view = shm.open_table(share, SHAPE)
     assert view is not None and not view.flags.writeable
     table.close()
@@ -125,3 +131,24 @@ async def test_a_lease_that_runs_out_during_the_data_reads_fails_the_pull_checke
         assert verify(consumer, [4], 2, range(1))
         assert consumer.metrics.snapshot().counters["checks_shared"] == 2
         await wait_for(lambda: sorted(r.reason for r in engine.releases) == ["expired", "read"])
+
+
+@pytest.mark.anyio
+async def test_a_session_closed_right_after_its_pull_still_sends_the_queued_notice() -> None:
+    """A pull checked in shared memory completes before its "done" notice leaves (the
+    notice waits for a background READ); a session closed right after it, before its
+    consumer's poller ran, sends that notice before it unlinks the rank: the prefill rank
+    releases the request once, by read, and no notice is dropped."""
+    spec = make_spec(kv_heads=4)
+    async with (
+        prefill_engine(spec, 2) as engine,
+        decode_rank(spec, same_process="nixl") as consumer,
+    ):
+        session = await consumer.connect(engine.endpoint)
+        engine.fill("r1", [1], seed=1)
+        await (await session.pull("r1", [2], [1]))
+        await session.aclose()
+        assert verify(consumer, [2], 1, range(1))
+        await wait_for(lambda: [(r.request_id, r.reason) for r in engine.releases] == [("r1", "read")] * 2)
+        counters = consumer.metrics.snapshot().counters
+        assert counters["checks_shared"] == 2 and counters.get("notices_dropped", 0) == 0

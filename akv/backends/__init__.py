@@ -287,6 +287,10 @@ class Reaper:
         """Background handles held."""
         return len(self._background)
 
+    def pending(self, handle: XferHandle) -> bool:
+        """True while ``handle``, dropped in the background, is still held (not finished)."""
+        return handle in self._background
+
     def holds(self, owner: object) -> bool:
         """True while a handle of ``owner`` may still land."""
         return any(held[1] is owner for held in self._held.values())

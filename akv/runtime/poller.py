@@ -173,15 +173,16 @@ class PullPoller:
         self.finish_settled(everything=True)
 
     async def send_notices(self) -> None:
-        """Closing: post the "done" notices still queued (of checks made in shared memory, which
-        no pull waited for) and wait, up to `NOTICE_GRACE_S`, until the background READs
-        carrying them finished, while the poller still runs: the prefill ranks learn of every
-        pull that completed before the close instead of releasing by lease."""
+        """Closing (the rank, or a session before it unlinks): post the "done" notices still
+        queued (of checks made in shared memory, which no pull waited for) and wait, up to
+        `NOTICE_GRACE_S`, until the background READs carrying them finished, while the poller
+        still runs: the prefill ranks learn of every pull that completed before the close
+        instead of releasing by lease."""
         with anyio.CancelScope(shield=True):
             if self.batcher.notices:
                 self.batcher.post()
             with anyio.move_on_after(NOTICE_GRACE_S):
-                while self._reaper is not None and self._reaper.background:
+                while not self.batcher.sent:
                     self._backoff.wake()
                     await anyio.sleep(0.001)
 
@@ -232,8 +233,9 @@ class PullPoller:
             self._grants[transfer.op.grant] = transfer
         now = time.monotonic()
         self._launched += 1
-        if self._unflushed and transfer.op.path in ("read", "packed"):
+        if self._unflushed and transfer.op.path in ("read", "packed") and not self.batcher.notices:
             # its first READs went out behind the notices to those ranks: they flush behind them
+            # (not behind notices still queued for a background READ, which goes out later)
             for rank in transfer.op.ranks:
                 self._unflushed.pop((transfer.session, rank), None)
         self._check(transfer, now)
@@ -554,8 +556,10 @@ class PullPoller:
                     self._agent().progress()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.log.warning("progressing the agent failed", error=str(exc))
-            if self._unflushed:  # flush READs fall due
-                await backoff.wait(busy=True, limit=FLUSH_DELAY_S)
+            if self._unflushed and not (len(self._tracker) or flushing or self._settling or self._stopping):
+                # only flush READs to come: sleep until the first falls due
+                due = min(self._unflushed.values()) + FLUSH_DELAY_S - time.monotonic()
+                await backoff.wait(busy=False, limit=max(due, 0.0))
             elif len(self._tracker) or flushing or self._settling or self._stopping:
                 # push: the writers' notices are the completion; look for them often
                 await backoff.wait(busy=True, limit=PUSH_POLL_S if pushing and self._grants else None)

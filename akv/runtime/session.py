@@ -492,9 +492,9 @@ class TransferSession:
             self.poller.fail(transfer, error)
 
     async def aclose(self) -> None:
-        """Fail this session's running transfers and forget the remote agents. Returns once
-        nothing those transfers started can still write into their blocks (see the
-        consumer's ``settle_timeout``)."""
+        """Fail this session's running transfers, send the "done" notices still queued, and
+        forget the remote agents. Returns once nothing those transfers started can still
+        write into their blocks (see the consumer's ``settle_timeout``)."""
         if self.closed:
             return
         self.closed = True
@@ -504,6 +504,7 @@ class TransferSession:
             with contextlib.suppress(AkvError):
                 await transfer.wait()
         await self.poller.settled(self)
+        await self.poller.send_notices()  # queued notices use the links unloaded next
         self.remote.say_bye()
         self.remote.unload()
 

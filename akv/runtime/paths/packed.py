@@ -548,10 +548,9 @@ class PackedRead:
         outcome = self.read.poll()
         if outcome is not None:
             return outcome
-        if not self._verified:  # the consumer flushes behind the notice before the scatter
+        if not self._verified:
             self._verified = True
             self.read_s = time.perf_counter() - self._since
-            return Pending(True)
         return self._scatter()
 
     def _post_reads(self) -> Failed | None:

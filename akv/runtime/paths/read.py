@@ -86,7 +86,7 @@ class CheckPool:
 
 def flush_after_notice(
     backend: Backend, reaper: Reaper, pool: CheckPool, check: RankCheck, notice: bytes = b""
-) -> bool:
+) -> XferHandle | None:
     """Right after notices to a prefill rank, READ bucket 0 of its exposure table into the
     pool's scratch slot, in the background (the reaper releases the handle once it is done).
 
@@ -99,16 +99,28 @@ def flush_after_notice(
     before a notice does not help the reads after it). A failure to post only costs that wait.
 
     ``notice``: the READ carries it (the "done" notices of checks made in shared memory,
-    which post no READ of their own). False if the READ could not be posted."""
+    which post no READ of their own). Returns the READ's handle (held by the reaper until it
+    finished: `Reaper.pending`), None if it could not be posted."""
     if check.released:
-        return False
+        return None
     one = np.zeros(1, dtype=np.int32)
     try:
         handle = backend.read(pool.dlist, one + pool.scratch, check.dlist, one, notice)
     except AkvError:
-        return False
+        return None
     reaper.drop_background(handle)
-    return True
+    return handle
+
+
+def copy_bucket(table_bucket: npt.NDArray[np.int64], slot: npt.NDArray[np.int64]) -> None:
+    """Copy a bucket from a prefill rank's table in shared memory into a check slot: every
+    slot's token first, then the fingerprints and generations, in that order (x86-64 keeps
+    loads in program order, and `akv.shm` maps tables only there). A prefill rank writes a
+    slot's token last when it publishes and clears it first, so a token read as EXPOSED comes
+    with the fingerprint and generation of that exposure or of a later one, never of an
+    earlier one; a copy in one pass could pair a new token with an old generation."""
+    slot[:, 0] = table_bucket[:, 0]
+    slot[:, 1:] = table_bucket[:, 1:]
 
 
 class CheckTicket:
@@ -217,6 +229,8 @@ class CheckBatcher:
         self._count = 0
         #: checks queued since the batcher was made (a poller sees whether a poll queued one)
         self.added = 0
+        #: the background READs that carried queued notices, with their reaper (see `sent`)
+        self._carriers: list[tuple[Reaper, XferHandle]] = []
 
     def __len__(self) -> int:
         """Checks waiting to be posted."""
@@ -232,6 +246,13 @@ class CheckBatcher:
     def notices(self) -> bool:
         """True while "done" notices wait for the next `post`."""
         return bool(self._notices)
+
+    @property
+    def sent(self) -> bool:
+        """True once every background READ that carried queued notices finished (their
+        notices left: NIXL sends a READ's notice once the READ is done)."""
+        self._carriers = [(reaper, h) for reaper, h in self._carriers if reaper.pending(h)]
+        return not self._carriers
 
     def notify(
         self,
@@ -265,10 +286,14 @@ class CheckBatcher:
         notices, self._notices = self._notices, {}
         for backend, reaper, check, count, queued in notices.values():
             for at in range(0, len(queued), BATCH_MAX):
-                if flush_after_notice(
-                    backend, reaper, self.pool, check, merge_done_notices(queued[at : at + BATCH_MAX])
-                ):
-                    count("xfers_notice", 1)
+                chunk = queued[at : at + BATCH_MAX]
+                carrier = flush_after_notice(backend, reaper, self.pool, check, merge_done_notices(chunk))
+                if carrier is None:  # the rank was unlinked, or the READ failed: released by lease
+                    count("notices_dropped", len(chunk))
+                    continue
+                count("xfers_notice", 1)
+                if reaper.pending(carrier):
+                    self._carriers.append((reaper, carrier))
         for queue in waiting.values():
             for at in range(0, len(queue), BATCH_MAX):
                 tickets = queue[at : at + BATCH_MAX]
@@ -493,6 +518,7 @@ class NixlRead:
         if checks is None or pool is None:  # no exposure check: nothing to post
             return None
         h = self._hash = exposure.request_hash(self.request_id)
+        shared: list[RankCheck] = []  # checks made in shared memory: notices queued at the end
         for rank in sorted(self._ranks):
             check = checks.get(rank)
             if check is None:  # the rank was re-linked (or lost) since the data reads
@@ -503,13 +529,12 @@ class NixlRead:
                 return Failed(exc)
             self._slots[rank] = slot
             bucket = h % check.buckets
-            if check.table is not None:  # on this host: a memory load, now that the data is in
-                pool.array[slot] = check.table[bucket]
+            if check.table is not None:  # on this host: memory loads, now that the data is in
+                if check.released:  # the rank was unlinked since the data reads
+                    return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
+                copy_bucket(check.table[bucket], pool.array[slot])
                 self.count("checks_shared", 1)
-                if self.batcher is not None:
-                    self.batcher.notify(self.backend, self.reaper, check, self.notice, self.count)
-                elif flush_after_notice(self.backend, self.reaper, pool, check, self.notice):
-                    self.count("xfers_notice", 1)
+                shared.append(check)
                 continue
             if self.batcher is not None:
                 ticket = CheckTicket(self.backend, self.reaper, check, slot, bucket, self.notice, self.count)
@@ -528,6 +553,11 @@ class NixlRead:
                 return Failed(exc, rank)
             self.count("xfers_check", 1)
             self._pending[handle] = rank
+        for check in shared:  # every rank's check is under way: the notices may leave
+            if self.batcher is not None:
+                self.batcher.notify(self.backend, self.reaper, check, self.notice, self.count)
+            elif flush_after_notice(self.backend, self.reaper, pool, check, self.notice) is not None:
+                self.count("xfers_notice", 1)
         return None
 
     def _verify(self) -> TransferError | None:
