@@ -183,7 +183,8 @@ class PullPoller:
                 self.batcher.post()
             with anyio.move_on_after(NOTICE_GRACE_S):
                 while not self.batcher.sent:
-                    self._backoff.wake()
+                    if self._reaper is not None:  # polls them (a READ's notice leaves once it is
+                        self._reaper.retry()  # seen done), whether or not the poller still runs
                     await anyio.sleep(0.001)
 
     async def stop_pushes(self) -> None:

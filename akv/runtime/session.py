@@ -371,6 +371,7 @@ class TransferSession:
             prefill_tp=self.remote.prefill_tp,
             direct=None if early else self._direct(prepared, request_id, notice, generation),
             count=self.metrics.inc,
+            notices=self.poller.batcher,
         )
         self._started(op, op.start())
         return op, prepared.standalone

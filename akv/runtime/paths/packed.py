@@ -54,7 +54,7 @@ from akv.packing import (
 )
 from akv.protocol.messages import PackInfo
 from akv.runtime.paths import Failed, Outcome, PathName, Pending
-from akv.runtime.paths.read import CheckPool, NixlRead, RankCheck
+from akv.runtime.paths.read import CheckBatcher, CheckPool, NixlRead, RankCheck
 
 if TYPE_CHECKING:
     import torch
@@ -397,9 +397,11 @@ class PackedRead:
         prefill_tp: int,
         direct: NixlRead | None,
         count: Callable[[str, int], None] = no_count,
+        notices: CheckBatcher | None = None,
     ) -> None:
         self.backend = backend
         self.count = count  # the decode rank's counters (`akv.Metrics.inc`)
+        self.notices = notices  # where its read's notices of checks in shared memory wait
         self.reaper = reaper
         self.request_id = request_id
         self.prepared = prepared
@@ -621,6 +623,7 @@ class PackedRead:
             packed=True,
             on_settled=self._on_landed,
             count=self.count,
+            notices=self.notices,
         )
         self.read.owner = self  # the consumer asks the reaper whether this pull may still land
         return self.read.start()

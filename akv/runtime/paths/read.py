@@ -357,7 +357,9 @@ class NixlRead:
     the posts read packed copies (`akv.exposure.verify`); ``on_settled``: called once no data
     read can still land (at once, or after an abort, once NIXL released them all); ``batcher``:
     the checks wait there for the poller's round (None: each is posted at once); ``count``:
-    the decode rank's counters (`akv.Metrics.inc`: data and check READs posted)."""
+    the decode rank's counters (`akv.Metrics.inc`: data and check READs posted);
+    ``notices``: where the "done" notices of checks made in shared memory wait for the
+    poller's round (default ``batcher``; None with no batcher: each is posted at once)."""
 
     path: PathName = "read"
 
@@ -379,6 +381,7 @@ class NixlRead:
         batcher: CheckBatcher | None = None,
         count: Callable[[str, int], None] = no_count,
         fingerprint: int | None = None,
+        notices: CheckBatcher | None = None,
     ) -> None:
         self.backend = backend
         self.reaper = reaper
@@ -394,6 +397,8 @@ class NixlRead:
         self.packed = packed
         self.on_settled = on_settled
         self.batcher = batcher
+        # where the notices of checks in shared memory wait (a batcher is falsy while empty)
+        self.notices = notices if notices is not None else batcher
         self.fingerprint = fingerprint  # exposure.digest(remote_ids), if the caller has it
         self._hash: int | None = None  # exposure.request_hash(request_id), once the checks are posted
         self._owner: weakref.ref[object] | None = None  # see owner
@@ -554,8 +559,8 @@ class NixlRead:
             self.count("xfers_check", 1)
             self._pending[handle] = rank
         for check in shared:  # every rank's check is under way: the notices may leave
-            if self.batcher is not None:
-                self.batcher.notify(self.backend, self.reaper, check, self.notice, self.count)
+            if self.notices is not None:
+                self.notices.notify(self.backend, self.reaper, check, self.notice, self.count)
             elif flush_after_notice(self.backend, self.reaper, pool, check, self.notice) is not None:
                 self.count("xfers_notice", 1)
         return None
