@@ -53,6 +53,7 @@ COUNTERS: tuple[str, ...] = (
     "xfers_flush",
     "xfers_notice",
     "checks_shared",
+    "directories_shared",
     "notices_dropped",
     # push control messages through a decode rank
     "push_announces_sent",

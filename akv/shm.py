@@ -1,4 +1,5 @@
-"""Exposure tables a decode rank on the same host reads from memory (Linux).
+"""Exposure tables (and packed-copy directories) a decode rank on the same host reads from
+memory (Linux).
 
 A prefill rank keeps its exposure table (`akv.exposure`) in a memfd it maps, registers with
 NIXL as before, and offers in its handshake as a `TableShare`: its host, process id, file
@@ -18,6 +19,12 @@ go back to the engine; a memory load sees that write no later than a READ posted
 same moment would. The copy reads each slot's token before its fingerprint and generation
 (`akv.runtime.paths.read.copy_bucket`), so it never pairs a token with an older exposure's
 fields.
+
+A rank that packs (`akv.packing`) shares its packed-copy directory the same way
+(`akv.protocol.messages.PackInfo.directory_share`): a packed pull from a rank of this host
+copies the request's directory bucket (each row's tag word first, which the prefill writes
+last) instead of READing it. The directory only says where the copy is; the exposure check
+after the copy's READ is what proves its bytes were the request's, as on the READ path.
 """
 
 from __future__ import annotations
@@ -74,8 +81,8 @@ def host_key() -> str:
 class SharedTable:
     """An int64 array of ``words`` in a memfd, for the prefill rank that writes it."""
 
-    def __init__(self, words: int) -> None:
-        self.fd = os.memfd_create("akv-exposure", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    def __init__(self, words: int, name: str = "akv-exposure") -> None:
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, HEADER + words * 8)
             # its size is fixed for good: a map of it never faults past its end

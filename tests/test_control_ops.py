@@ -76,6 +76,9 @@ async def pulls_counted(
         spent = {k: (after.get(v, 0) - before.get(v, 0)) / PULLS for k, v in CONTROL_OPS.items()}
         spent["data"] = (after["xfers_data"] - before.get("xfers_data", 0)) / PULLS
         spent["shared"] = (after.get("checks_shared", 0) - before.get("checks_shared", 0)) / PULLS
+        spent["directories"] = (
+            after.get("directories_shared", 0) - before.get("directories_shared", 0)
+        ) / PULLS
         prefill = [dict(prod.metrics.snapshot().counters) for prod in engine.producers]
     return paths, spent, prefill
 
@@ -98,6 +101,7 @@ async def test_a_direct_pull_posts_one_read_and_one_check_per_prefill_rank(p: in
         "push_announces": 0,
         "push_notices": 0,
         "shared": 0,
+        "directories": 0,
     }
 
 
@@ -120,6 +124,7 @@ async def test_a_direct_pull_from_this_host_checks_in_shared_memory(p: int) -> N
         "push_announces": 0,
         "push_notices": 0,
         "shared": p,
+        "directories": 0,
     }
     for counters in prefill:
         assert counters["released_read"] == PULLS and counters.get("notifications_invalid", 0) == 0
@@ -174,21 +179,29 @@ async def test_concurrent_checked_pulls_leave_nothing_for_the_garbage_collector(
         assert cyclic == []
 
 
-@pytest.mark.parametrize("p", [1, 2])
-async def test_a_packed_pull_adds_only_the_directory_read(p: int) -> None:
-    """A checked packed pull from ``p`` prefill ranks of this host posts, per rank, one
-    directory READ and one READ of the packed copy; its check copies the bucket from shared
-    memory, and its notice goes on at most one background READ, with at most one background
-    READ behind it (the last pull always: no pull follows it); nothing else."""
-    paths, spent, _ = await pulls_counted(p, {"transfer": "packed"}, {"transfer": "packed"})
+@pytest.mark.parametrize(("p", "check_with"), [(1, "auto"), (2, "auto"), (2, "read")])
+async def test_a_packed_pull_adds_only_the_directory_lookup(p: int, check_with: str) -> None:
+    """A checked packed pull from ``p`` prefill ranks of this host posts, per rank, one READ
+    of the packed copy; by default its directory lookup and its check copy their buckets from
+    shared memory, and its notice goes on at most one background READ, with at most one
+    background READ behind it (the last pull always: no pull follows it); with
+    ``check_with="read"`` the lookup is one directory READ and the check one check READ per
+    rank (carrying the notice); nothing else."""
+    consumer_kw = {"transfer": "packed", "check_with": check_with}
+    paths, spent, _ = await pulls_counted(p, consumer_kw, {"transfer": "packed"})
     assert paths == {"packed"}
     assert p / PULLS <= spent.pop("flush_reads") <= p
-    assert 0 < spent.pop("notice_reads") <= p
+    shared = check_with == "auto"
+    if shared:
+        assert 0 < spent.pop("notice_reads") <= p
+    else:
+        assert spent.pop("notice_reads") == 0
     assert spent == {
         "data": p,
-        "check_reads": 0,
-        "shared": p,
-        "directory_reads": p,
+        "check_reads": 0 if shared else p,
+        "shared": p if shared else 0,
+        "directory_reads": 0 if shared else p,
+        "directories": p if shared else 0,
         "notices": 0,
         "push_announces": 0,
         "push_notices": 0,
@@ -209,6 +222,7 @@ async def test_a_push_costs_one_announcement_and_one_pushed_notice_per_writer(p:
         "flush_reads": 0,
         "notice_reads": 0,
         "shared": 0,
+        "directories": 0,
         "notices": 0,
         "push_announces": p,
         "push_notices": p,
@@ -246,7 +260,7 @@ def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
 
 @pytest.mark.parametrize("transfer", ["direct", "packed"])
 async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(transfer: str) -> None:
-    """A checked pull (direct, or packed with its directory READ) needs nothing from the
+    """A checked pull (direct, or packed with its directory lookup) needs nothing from the
     prefill rank's poller on its way to completion: its bytes, directory and exposure check
     are one-sided READs or memory loads (`akv.shm`), and its "done" notice rides a READ, so it completes,
     bit-exact, while the prefill process is stopped; once it runs again it gets the notice and

@@ -152,3 +152,49 @@ async def test_a_session_closed_right_after_its_pull_still_sends_the_queued_noti
         await wait_for(lambda: [(r.request_id, r.reason) for r in engine.releases] == [("r1", "read")] * 2)
         counters = consumer.metrics.snapshot().counters
         assert counters["checks_shared"] == 2 and counters.get("notices_dropped", 0) == 0
+
+
+class _Rewritten:
+    """A directory bucket whose fields a prefill rank rewrites between reads: each read of
+    the fields returns the next of ``versions`` (the last one from then on)."""
+
+    def __init__(self, versions: list[np.ndarray]) -> None:
+        self.versions = versions
+        self.reads = 0
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if key == (slice(None), 0):
+            return self.versions[0][:, 0]
+        version = self.versions[min(self.reads, len(self.versions) - 1)]
+        self.reads += 1
+        return version[key]
+
+
+def test_a_directory_bucket_copied_while_rewritten_is_a_settled_entry_or_empty() -> None:
+    """A packed pull's lookup in a directory in shared memory (`copy_entries`) copies the
+    bucket's fields until two reads agree: fields rewritten under it once give the entry as it
+    stands after, never one write's generation with another's offset; a bucket that keeps
+    changing reads as empty (the pull then reads the paged blocks), and a still one exactly."""
+    from akv.packing import DIR_WORDS, PackDirectory, find
+    from akv.runtime.paths.packed import copy_entries
+
+    directory = PackDirectory(1)
+    assert directory.publish("r1", 7, 4096, 512)
+    bucket = directory.array[0]
+    slot = np.zeros_like(bucket)
+    copy_entries(bucket, slot)
+    assert find(slot, "r1") == (7, 4096, 512)
+
+    moved = bucket.copy()
+    row = int(np.flatnonzero(bucket[:, 0])[0])
+    moved[row, 1:] = (8, 8192, 512)  # published again elsewhere, same tag
+    torn = bucket.copy()
+    torn[row, 1:] = (8, 4096, 512)  # mid-write: the new generation, the old offset
+    copy_entries(_Rewritten([torn, moved, moved]), slot)  # type: ignore[arg-type]
+    assert find(slot, "r1") == (8, 8192, 512)
+
+    churn = [bucket.copy() for _ in range(20)]
+    for n, version in enumerate(churn):
+        version[row, 1] = n + 1
+    copy_entries(_Rewritten(churn), slot)  # type: ignore[arg-type]
+    assert find(slot, "r1") is None and slot.shape == (exposure.SLOTS, DIR_WORDS)

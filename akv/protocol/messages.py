@@ -176,6 +176,7 @@ class PackInfo(msgspec.Struct, frozen=True, kw_only=True):
     directory_addr: int = 0  # registered as DRAM
     directory_buckets: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUCKETS)] = 1
     early: bool = False  # release_after_pack: blocks go back after packing, only the copy may be read
+    directory_share: TableShare | None = None  # the directory, for decode ranks of its host (akv.shm)
 
 
 class RankInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -89,9 +89,10 @@ class Consumer(RankBase):
             CPU tensors: the kernel under Triton's interpreter when ``TRITON_INTERPRET=1`` is
             set, else torch gathers and scatters; for tests and operation counts). See
             docs/gpu.md#kernels.
-        check_with: how the exposure check reads a prefill rank's table: ``"auto"`` (from
-            shared memory where the rank is on this host and offers it, with a memory load,
-            else a NIXL READ; see docs/security.md) or ``"read"`` (always a NIXL READ).
+        check_with: how the exposure check reads a prefill rank's table, and a packed pull
+            its packed-copy directory: ``"auto"`` (from shared memory where the rank is on
+            this host and offers it, with a memory load, else a NIXL READ; see
+            docs/security.md) or ``"read"`` (always a NIXL READ).
         max_checks: exposure checks in flight at once.
         settle_timeout: seconds a failed, timed-out or closed pull waits for NIXL to report
             reads it started finished (UCX cannot cancel a read in flight) before this rank

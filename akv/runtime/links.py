@@ -263,7 +263,9 @@ class EngineLinks:
                         backend.prep(link.agent, table, "DRAM"), info.exposure_buckets, mapped
                     )
                 if info.pack is not None and self.rank.staging is not None and self.mode != "push":
-                    link.directory = packed.directory_check(backend, link.agent, info.pack)
+                    link.directory = packed.directory_check(
+                        backend, link.agent, info.pack, shared=self.rank.check_with == "auto"
+                    )
         except BaseException:
             for link in out.values():
                 self._drop(link)
@@ -292,6 +294,8 @@ class EngineLinks:
                 backend.release_dlist(handle)
         if link.check is not None:
             link.check.released = True  # notices queued behind it are dropped (see CheckBatcher)
+        if link.directory is not None:
+            link.directory.released = True  # packed pulls looking it up fail instead
         if backend is not None:
             if link.check is not None:
                 backend.release_dlist(link.check.dlist)

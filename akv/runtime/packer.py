@@ -87,7 +87,7 @@ class Packer:
             raise ConfigError(f"pack_pool_bytes must be at least 256, got {pool_bytes}")
         device = kv_caches[0].device
         self.pool = torch.empty(self.arena.size, dtype=torch.uint8, device=device)
-        self.directory = PackDirectory(buckets)
+        self.directory = PackDirectory(buckets, shared=True)
         self.views = CacheViews(kv_caches, rank_layout(cache, rank, tp_size))
         self._stream: Any = None  # the CUDA side stream of the gathers
         self.slots: dict[str, int] = {}  # request -> slot offset
@@ -111,6 +111,7 @@ class Packer:
             directory_addr=int(self.directory.array.ctypes.data),
             directory_buckets=self.directory.buckets,
             early=self.early,
+            directory_share=self.directory.share(),
         )
 
     def pack(self, request_id: str, per_group: Sequence[npt.NDArray[np.int32]], generation: int) -> bool:

@@ -269,6 +269,7 @@ class Producer(RankBase):
         if self.packer is not None:
             await anyio.to_thread.run_sync(self.backend.register, [self.packer.pool])
             await anyio.to_thread.run_sync(self.backend.register_host, self.packer.directory.array)
+            stack.callback(self.packer.directory.close)
         hosted = next(iter(self.server.ranks.values()), None)
         if hosted is not None and not self._named:
             self.engine_id = hosted.engine_id  # ranks sharing a server are one engine

@@ -35,9 +35,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from akv import exposure, kernels
+from akv import exposure, kernels, shm
 from akv.backends import Backend, Reaper, XferHandle, mem_type
-from akv.errors import AkvError, BackPressureError, ConfigError, IncompatiblePeerError, TransferError
+from akv.errors import (
+    AkvError,
+    BackPressureError,
+    ConfigError,
+    IncompatiblePeerError,
+    PeerLostError,
+    TransferError,
+)
 from akv.geometry.cache import CacheSpec
 from akv.kernels import RunCopier
 from akv.metrics import no_count
@@ -54,7 +61,7 @@ from akv.packing import (
 )
 from akv.protocol.messages import PackInfo
 from akv.runtime.paths import Failed, Outcome, PathName, Pending
-from akv.runtime.paths.read import CheckBatcher, CheckPool, NixlRead, RankCheck
+from akv.runtime.paths.read import CheckBatcher, CheckPool, NixlRead, RankCheck, copy_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -180,12 +187,32 @@ class DescPost:
         )
 
 
-def directory_check(backend: Backend, agent: str, pack: PackInfo) -> RankCheck:
-    """A prefill rank's packed-copy directory, prepared (one descriptor per bucket)."""
+def directory_check(backend: Backend, agent: str, pack: PackInfo, *, shared: bool = True) -> RankCheck:
+    """A prefill rank's packed-copy directory, prepared (one descriptor per bucket), and
+    mapped read-only where the rank is on this host and offers it (``shared``; `akv.shm`:
+    lookups then copy the bucket instead of READing it)."""
     table = np.array(
         [[pack.directory_addr, DIR_BUCKET_BYTES, 0, DIR_BUCKET_BYTES, pack.directory_buckets]], dtype=np.int64
     )
-    return RankCheck(backend.prep(agent, table, "DRAM"), pack.directory_buckets)
+    shape = (pack.directory_buckets, exposure.SLOTS, DIR_WORDS)
+    mapped = shm.open_table(pack.directory_share, shape) if shared else None
+    return RankCheck(backend.prep(agent, table, "DRAM"), pack.directory_buckets, mapped)
+
+
+def copy_entries(table_bucket: npt.NDArray[np.int64], slot: npt.NDArray[np.int64], tries: int = 8) -> None:
+    """Copy a directory bucket from a prefill rank's directory in shared memory: each row's
+    tag word first (`copy_bucket`; the prefill writes it last), then its fields, read again
+    until two reads agree (up to ``tries``): fields that did not change between their two
+    reads all held those values at one moment between them, so an entry never pairs one
+    write's generation with another write's offset. A bucket still changing after that
+    reads as empty (the pull then finds no copy there, as when the rank's pool was full)."""
+    copy_bucket(table_bucket, slot)
+    for _ in range(tries):
+        again = table_bucket[:, 1:].copy()
+        if np.array_equal(again, slot[:, 1:]):
+            return
+        slot[:, 1:] = again
+    slot[:, 0] = 0
 
 
 def use_packed(
@@ -499,12 +526,20 @@ class PackedRead:
                 self.abort()
                 return Failed(exc)
             self._dir_slots[rank] = slot
+        bucket = self._hash % link.directory.buckets
+        if link.directory.table is not None:  # on this host: a memory load, done at once
+            if link.directory.released:  # the rank was unlinked since the pull began
+                self.abort()
+                return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
+            copy_entries(link.directory.table[bucket], self.dir_pool.array[slot])
+            self.count("directories_shared", 1)
+            return None
         try:
             handle = self.backend.read(
                 self.dir_pool.dlist,
                 np.array([slot], dtype=np.int32),
                 link.directory.dlist,
-                np.array([self._hash % link.directory.buckets], dtype=np.int32),
+                np.array([bucket], dtype=np.int32),
                 b"",
             )
         except TransferError as exc:
