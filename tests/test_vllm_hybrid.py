@@ -154,7 +154,7 @@ def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybri
         assert_equal(
             h, disaggregated(prefill, decode, h.model, tokens), colocated(h, decode, tokens), (n, way)
         )
-        time.sleep(1.5)  # vLLM publishes its stats on an interval
+        # vLLM publishes its stats on an interval: wait_metric polls until they are in
         want = external + n - 1
         assert wait_metric(decode, name, want, source="external_kv_transfer") == want, (n, way)
         want = pulled + -(-(n - 1) // block) * block_bytes + state_bytes[2 if decode is h.two else 1]
