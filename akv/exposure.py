@@ -23,7 +23,6 @@ No round trip through the prefill rank's event loop is involved.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +38,7 @@ from akv.errors import (
     ReleasedError,
     UnsafeReadError,
 )
-from akv.shm import SharedTable, TableShare
+from akv.shm import OfferedTable
 
 __all__ = [
     "EXPOSED",
@@ -86,7 +85,7 @@ def digest(block_ids: npt.NDArray[np.int32]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
-class ExposureTable:
+class ExposureTable(OfferedTable):
     """The prefill side's table (the array is what gets registered with NIXL). ``shared``:
     kept in shared memory that decode ranks on this host may map (`akv.shm`; Linux only,
     elsewhere the table stays private)."""
@@ -95,22 +94,7 @@ class ExposureTable:
         if buckets < 1:
             raise ConfigError(f"exposure table buckets must be >= 1, got {buckets}")
         self.buckets = buckets
-        shape = (buckets, SLOTS, SLOT_WORDS)
-        self._shared: SharedTable | None = None
-        if shared and hasattr(os, "memfd_create"):
-            self._shared = SharedTable(buckets * SLOTS * SLOT_WORDS)
-            self.array = self._shared.array.reshape(shape)
-        else:
-            self.array = np.zeros(shape, dtype=np.int64)
-
-    def share(self) -> TableShare | None:
-        """What a handshake offers decode ranks of this host (None: the table is private)."""
-        return None if self._shared is None else self._shared.share()
-
-    def close(self) -> None:
-        """Stop offering the table to decode ranks that have not mapped it yet."""
-        if self._shared is not None:
-            self._shared.close()
+        super().__init__((buckets, SLOTS, SLOT_WORDS), shared=shared, name="akv-exposure")
 
     @property
     def bucket_bytes(self) -> int:

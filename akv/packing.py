@@ -24,7 +24,6 @@ generation the directory named) proves the slot still held this request's copy.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,7 +36,7 @@ from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import RankLayout
 from akv.kernels import Segment, Template
-from akv.shm import SharedTable, TableShare
+from akv.shm import OfferedTable
 
 if TYPE_CHECKING:
     import torch
@@ -454,7 +453,7 @@ class Arena:
         self._free = merged
 
 
-class PackDirectory:
+class PackDirectory(OfferedTable):
     """Where each packed request's slot is (the array is registered with NIXL). ``shared``:
     kept in shared memory that decode ranks on this host may map (`akv.shm`, as the exposure
     table: they then copy a bucket instead of READing it; Linux only)."""
@@ -463,22 +462,7 @@ class PackDirectory:
         if buckets < 1:
             raise ConfigError(f"directory buckets must be >= 1, got {buckets}")
         self.buckets = buckets
-        shape = (buckets, exposure.SLOTS, DIR_WORDS)
-        self._shared: SharedTable | None = None
-        if shared and hasattr(os, "memfd_create"):
-            self._shared = SharedTable(buckets * exposure.SLOTS * DIR_WORDS, name="akv-directory")
-            self.array = self._shared.array.reshape(shape)
-        else:
-            self.array = np.zeros(shape, dtype=np.int64)
-
-    def share(self) -> TableShare | None:
-        """What a handshake offers decode ranks of this host (None: the directory is private)."""
-        return None if self._shared is None else self._shared.share()
-
-    def close(self) -> None:
-        """Stop offering the directory to decode ranks that have not mapped it yet."""
-        if self._shared is not None:
-            self._shared.close()
+        super().__init__((buckets, exposure.SLOTS, DIR_WORDS), shared=shared, name="akv-directory")
 
     def publish(self, request_id: str, generation: int, offset: int, nbytes: int) -> bool:
         """Record a packed copy; False if the request's bucket is full (the request is not packed)."""

@@ -43,7 +43,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["HEADER", "SharedTable", "TableShare", "host_key", "open_table"]
+__all__ = ["HEADER", "OfferedTable", "SharedTable", "TableShare", "host_key", "open_table"]
 
 #: Bytes before the table in the file: the token, then padding to a cache line.
 HEADER = 64
@@ -110,6 +110,30 @@ class SharedTable:
         """Stop offering the table (maps already made stay valid). Idempotent."""
         self._closer()
         self.fd = -1
+
+
+class OfferedTable:
+    """A prefill rank's zeroed int64 ``array`` of ``shape`` that decode ranks of its host may
+    map: in a `SharedTable` (memfd ``name``) where ``shared`` and the system has memfds,
+    else private."""
+
+    def __init__(self, shape: tuple[int, ...], *, shared: bool, name: str) -> None:
+        self._shared: SharedTable | None = None
+        self.array: npt.NDArray[np.int64]
+        if shared and hasattr(os, "memfd_create"):
+            self._shared = SharedTable(int(np.prod(shape)), name=name)
+            self.array = self._shared.array.reshape(shape)
+        else:
+            self.array = np.zeros(shape, dtype=np.int64)
+
+    def share(self) -> TableShare | None:
+        """What a handshake offers decode ranks of this host (None: the table is private)."""
+        return None if self._shared is None else self._shared.share()
+
+    def close(self) -> None:
+        """Stop offering the table to decode ranks that have not mapped it yet."""
+        if self._shared is not None:
+            self._shared.close()
 
 
 def open_table(share: TableShare | None, shape: tuple[int, ...]) -> npt.NDArray[np.int64] | None:
