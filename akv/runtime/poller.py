@@ -58,6 +58,8 @@ NOTICE_GRACE_S = 1.0
 #: Seconds a notice waits for its flush READ (see `PullPoller.noticed`): a direct read posted
 #: to the same rank meanwhile flushes behind it instead, and the flush is not posted.
 FLUSH_DELAY_S = 0.001
+#: Seconds a due flush READ is put off while a READ carrying notices is still running.
+FLUSH_RETRY_S = 0.0005
 #: Longest sleep of the poller while push pulls are in flight.
 PUSH_POLL_S = 0.0005
 #: Seconds after a timed-out pull during which the idle poller still progresses the agent
@@ -234,9 +236,15 @@ class PullPoller:
             self._grants[transfer.op.grant] = transfer
         now = time.monotonic()
         self._launched += 1
-        if self._unflushed and transfer.op.path in ("read", "packed") and not self.batcher.notices:
+        if (
+            self._unflushed
+            and transfer.op.path in ("read", "packed")
+            and not self.batcher.notices
+            and self.batcher.sent
+        ):
             # its first READs went out behind the notices to those ranks: they flush behind them
-            # (not behind notices still queued for a background READ, which goes out later)
+            # (not behind notices still queued for a background READ, which goes out later, nor
+            # behind one whose READ is still running: NIXL sends that notice once it is done)
             for rank in transfer.op.ranks:
                 self._unflushed.pop((transfer.session, rank), None)
         self._check(transfer, now)
@@ -355,8 +363,21 @@ class PullPoller:
 
     def _flush_noticed(self, now: float) -> None:
         """One background READ behind the notices to each rank noticed at least
-        `FLUSH_DELAY_S` ago (see `PullOwner.flush_check` for the ranks that get none)."""
+        `FLUSH_DELAY_S` ago (see `PullOwner.flush_check` for the ranks that get none).
+
+        Not before every READ carrying queued notices finished: NIXL sends the notice of a READ
+        still running when posted only once a poll sees it done, and a flush posted before
+        that send would not cover the notice (the next pull's READ would then wait for the
+        prefill rank's poller). Until they finished the flushes are put off for a moment."""
         due = [key for key, when in self._unflushed.items() if now - when >= FLUSH_DELAY_S]
+        if not due:
+            return
+        if not self.batcher.sent:
+            self.reaper.retry()  # a carrier seen done now sends its notice
+            if not self.batcher.sent:
+                for key in due:  # due again shortly
+                    self._unflushed[key] = now - FLUSH_DELAY_S + FLUSH_RETRY_S
+                return
         for key in due:
             del self._unflushed[key]
         for owner, rank in due:
