@@ -720,3 +720,31 @@ def worker_hand_over(device: str, content: Content, layout: str) -> None:
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+def test_the_launcher_runs_tp_1_in_the_engine_core_process_only_when_asked() -> None:
+    """``executor="uni"`` asks vLLM for its one-process executor and sets the switch vLLM's CPU
+    build needs to keep it; by default neither is set; TP 2 with ``uni``, and the command
+    line's ``--executor uni --tp 2``, are refused with what to change."""
+    import os
+    import subprocess
+    import sys
+
+    from akv.integrations.vllm.launch import instance_command
+
+    cmd, env = instance_command("m", role="decode", http_port=1, executor="uni")
+    at = cmd.index("--distributed-executor-backend")
+    assert cmd[at + 1] == "uni" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    cmd, env = instance_command("m", role="decode", http_port=1)
+    assert "--distributed-executor-backend" not in cmd
+    assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    with pytest.raises(ValueError, match="use mp for TP 2"):
+        instance_command("m", role="decode", http_port=1, executor="uni", tp=2)
+    argv = ["--model", ".", "--role", "decode", "--tp", "2", "--executor", "uni"]
+    out = subprocess.run(
+        [sys.executable, "-m", "akv.integrations.vllm.launch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 64 and out.stderr.count("\n") == 1 and "--executor mp" in out.stderr

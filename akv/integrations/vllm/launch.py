@@ -76,6 +76,7 @@ def instance_command(
     block_size: int | None = None,
     max_model_len: int = 4096,
     failure_policy: str | None = None,
+    executor: str | None = None,
     vllm_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of one vLLM instance.
@@ -98,6 +99,10 @@ def instance_command(
         max_model_len: ``--max-model-len``.
         failure_policy: vLLM's ``kv_load_failure_policy`` for a failed load: ``"recompute"``
             or ``"fail"`` (default: vLLM's, fail).
+        executor: ``"uni"``: the model runs in the engine-core process, beside the scheduler (as
+            vLLM runs TP 1 on a GPU; one process fewer to start, about 16 s of imports on one
+            core of a CPU machine: docs/vllm.md); ``"mp"``: a worker process per rank (what
+            vLLM's CPU build chooses itself); default vLLM's choice. ``"uni"`` needs TP 1.
         vllm_args: more arguments for vLLM's server.
     """
     if connector not in CONNECTORS:
@@ -115,6 +120,12 @@ def instance_command(
     )
     if core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    if executor not in (None, "uni", "mp"):
+        raise ValueError(f"executor {executor!r}: use uni or mp")
+    if executor == "uni" and tp != 1:
+        raise ValueError(f"executor uni runs one rank: use mp for TP {tp}")
+    if executor == "uni":  # vLLM's CPU build keeps "uni" only with this off
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cmd = [
         sys.executable,
         "-m",
@@ -134,6 +145,8 @@ def instance_command(
     ]
     if block_size is not None:
         cmd += ["--block-size", str(block_size)]
+    if executor is not None:
+        cmd += ["--distributed-executor-backend", executor]
     if connector != "none":
         ktc: dict[str, Any] = {"kv_role": kv_role}
         if failure_policy is not None:
@@ -223,8 +236,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="vLLM's kv_load_failure_policy (default: vLLM's, fail)",
     )
+    ap.add_argument(
+        "--executor",
+        choices=("uni", "mp"),
+        default=None,
+        help="uni: the model in the engine-core process (TP 1 only); mp: a worker process per rank "
+        "(default: vLLM's choice, mp on CPU)",
+    )
     ap.add_argument("vllm_args", nargs="*", help="more arguments for vLLM (after --)")
     args = ap.parse_args(argv)
+    if args.executor == "uni" and args.tp != 1:
+        print(f"launch: --executor uni runs one rank: use --executor mp with --tp {args.tp}", file=sys.stderr)
+        return 64
     try:
         extra = json.loads(args.extra)
         if not isinstance(extra, dict):
@@ -253,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         tp=args.tp,
         kv_space_gib=args.kv_space_gib,
         failure_policy=args.failure_policy,
+        executor=args.executor,
         vllm_args=args.vllm_args,
     )
     os.execvpe(cmd[0], cmd, env)
