@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +67,26 @@ def launch(tmp: Path, model: Path, role: str, core: int | str, **kw: Any) -> Ins
     )
 
 
-@pytest.fixture(scope="module")
-def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Instance, Instance]]:
-    tmp = tmp_path_factory.mktemp("vllm-logs")
-    prefill = launch(tmp, model, "prefill", 0)
-    decode = launch(tmp, model, "decode", 1)
+@contextmanager
+def serve(
+    tmp: Path, model: Path, decode_kw: dict[str, Any] | None = None, **kw: Any
+) -> Iterator[tuple[Instance, Instance]]:
+    """A prefill instance on core 0 and a decode instance on core 1 (``kw`` for both, then
+    ``decode_kw`` for decode), once both answer; stopped after."""
+    prefill = launch(tmp, model, "prefill", 0, **kw)
+    decode = launch(tmp, model, "decode", 1, **{**kw, **(decode_kw or {})})
     try:
         wait_ready([prefill, decode])
         yield prefill, decode
     finally:
         prefill.stop()
         decode.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Instance, Instance]]:
+    with serve(tmp_path_factory.mktemp("vllm-logs"), model) as both:
+        yield both
 
 
 _client = httpx.Client(timeout=120)
@@ -280,15 +290,9 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gemma_pair(gemma: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Instance, Instance]]:
     """Gemma 3 with vLLM's hybrid allocator, pulling; decode recomputes a failed load (the
     module's last test kills this prefill)."""
-    tmp = tmp_path_factory.mktemp("gemma-logs")
-    prefill = launch(tmp, gemma, "prefill", 0)
-    decode = launch(tmp, gemma, "decode", 1, extra={"transfer_timeout": 3.0}, failure_policy="recompute")
-    try:
-        wait_ready([prefill, decode])
-        yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
+    recompute = {"extra": {"transfer_timeout": 3.0}, "failure_policy": "recompute"}
+    with serve(tmp_path_factory.mktemp("gemma-logs"), gemma, recompute) as both:
+        yield both
 
 
 @pytest.mark.parametrize("hma", [False, True], ids=["no-hybrid-allocator", "hybrid-allocator"])
@@ -301,16 +305,13 @@ def test_gemma3_sliding_window_tokens_equal_colocated(
     full layers, and only the window's blocks move; without it every block of every layer does.
     Without it the decode instance runs in push mode: the prefill writes the blocks, and releases
     each request as pushed."""
-    if hma:
-        prefill, decode = request.getfixturevalue("gemma_pair")
-        started: tuple[Instance, ...] = ()
-    else:
-        args = [*FAST, "--disable-hybrid-kv-cache-manager"]
-        prefill = launch(tmp_path, gemma, "prefill", 0, vllm_args=args)
-        decode = launch(tmp_path, gemma, "decode", 1, vllm_args=args, extra={"mode": "push"})
-        started = (prefill, decode)
-    try:
-        wait_ready([prefill, decode])
+    with ExitStack() as stack:
+        if hma:
+            prefill, decode = request.getfixturevalue("gemma_pair")
+        else:
+            args = [*FAST, "--disable-hybrid-kv-cache-manager"]
+            push = {"extra": {"mode": "push"}}
+            prefill, decode = stack.enter_context(serve(tmp_path, gemma, push, vllm_args=args))
         pushed = metric(prefill, "vllm:akv_releases_total", reason="pushed")
         failed = metric(decode, "vllm:akv_pulls_failed_total")
         for inst in (prefill, decode):  # vLLM's KV-cache groups: full and sliding, or one for all
@@ -341,9 +342,6 @@ def test_gemma3_sliding_window_tokens_equal_colocated(
             assert disaggregated(prefill, decode, gemma, second) == colocated(prefill, gemma, second)
         # no pull failed (a recompute after a failed load would give the same tokens)
         assert metric(decode, "vllm:akv_pulls_failed_total") == failed
-    finally:
-        for inst in started:
-            inst.stop()
 
 
 def test_killed_prefill_fails_the_pull_and_decode_serves_on(
