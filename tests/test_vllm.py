@@ -43,9 +43,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-llama")
+    return tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def tiny_model(out: Path, *args: str) -> Path:
+    """examples/vllm/tiny_model.py's model in ``out`` (``args``: its flags)."""
     subprocess.run(
-        [sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(out)], check=True, capture_output=True
+        [sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(out), *args],
+        check=True,
+        capture_output=True,
     )
     return out
 
@@ -277,13 +283,7 @@ def test_bad_extra_config_stops_the_instance_with_one_line(model: Path, tmp_path
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("gemma3")
-    subprocess.run(
-        [sys.executable, str(ROOT / "examples/vllm/tiny_model.py"), str(out), "--arch", "gemma3"],
-        check=True,
-        capture_output=True,
-    )
-    return out
+    return tiny_model(tmp_path_factory.mktemp("gemma3"), "--arch", "gemma3")
 
 
 @pytest.fixture(scope="module")

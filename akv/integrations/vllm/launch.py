@@ -122,10 +122,10 @@ def instance_command(
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     if executor not in (None, "uni", "mp"):
         raise ValueError(f"executor {executor!r}: use uni or mp")
-    if executor == "uni" and tp != 1:
-        raise ValueError(f"executor uni runs one rank: use mp for TP {tp}")
-    if executor == "uni":  # vLLM's CPU build keeps "uni" only with this off
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if executor == "uni":
+        if tp != 1:
+            raise ValueError(f"executor uni runs one rank: use mp for TP {tp} (--executor mp)")
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM's CPU build keeps "uni" only with this off
     cmd = [
         sys.executable,
         "-m",
@@ -245,9 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("vllm_args", nargs="*", help="more arguments for vLLM (after --)")
     args = ap.parse_args(argv)
-    if args.executor == "uni" and args.tp != 1:
-        print(f"launch: --executor uni runs one rank: use --executor mp with --tp {args.tp}", file=sys.stderr)
-        return 64
     try:
         extra = json.loads(args.extra)
         if not isinstance(extra, dict):
@@ -264,21 +261,25 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 64
-    cmd, env = instance_command(
-        args.model,
-        role=args.role,
-        http_port=args.http_port,
-        connector=args.connector,
-        akv_port=args.akv_port,
-        nixl_port=args.nixl_port,
-        extra=extra,
-        core=args.core,
-        tp=args.tp,
-        kv_space_gib=args.kv_space_gib,
-        failure_policy=args.failure_policy,
-        executor=args.executor,
-        vllm_args=args.vllm_args,
-    )
+    try:
+        cmd, env = instance_command(
+            args.model,
+            role=args.role,
+            http_port=args.http_port,
+            connector=args.connector,
+            akv_port=args.akv_port,
+            nixl_port=args.nixl_port,
+            extra=extra,
+            core=args.core,
+            tp=args.tp,
+            kv_space_gib=args.kv_space_gib,
+            failure_policy=args.failure_policy,
+            executor=args.executor,
+            vllm_args=args.vllm_args,
+        )
+    except ValueError as exc:  # a flag the others rule out (--executor uni with --tp 2)
+        print(f"launch: {exc}", file=sys.stderr)
+        return 64
     os.execvpe(cmd[0], cmd, env)
 
 
