@@ -149,8 +149,23 @@ def _ids(read_ids: Sequence[int] | npt.NDArray[Any]) -> tuple[int, ...]:
     return tuple(int(b) for b in read_ids)
 
 
+def shared_slot(bucket: npt.NDArray[np.int64], token_hash: int) -> tuple[int, int, int] | None:
+    """Read a request's slot straight from a bucket of a table in shared memory (`akv.shm`):
+    ``(token, fingerprint, generation word)``, None if no slot holds ``token_hash``. Every
+    token is loaded first, then the matching slot's other words (x86-64 keeps loads in program
+    order): a prefill rank writes a slot's token last when it publishes and clears it first,
+    so a token read as EXPOSED comes with the fingerprint and generation of that exposure or
+    of a later one, never of an earlier one."""
+    tokens = bucket[:, 0].tolist()
+    for i, token in enumerate(tokens):
+        if token >> 16 == token_hash:
+            fp, word = bucket[i, 1:].tolist()
+            return token, fp, word
+    return None
+
+
 def verify(
-    bucket: npt.NDArray[Any],
+    bucket: npt.NDArray[Any] | tuple[int, int, int] | None,
     request_id: str,
     block_ids: npt.NDArray[np.int32],
     *,
@@ -163,20 +178,24 @@ def verify(
 ) -> UnsafeReadError | None:
     """Check a bucket read after the data reads: None if ``request_id`` is exposed with exactly
     ``block_ids`` (and, given a ``generation``, is still that exposure); else the typed error
-    saying why the bytes cannot be trusted. ``packed``: the bytes came from the request's
-    packed copy, which stays valid after its blocks were released early (state PACKED).
-    ``token_hash`` and ``fingerprint``: `request_hash` of ``request_id`` and `digest` of
-    ``block_ids``, where the caller has them already (a pull computes each once)."""
+    saying why the bytes cannot be trusted. ``bucket``: the bucket's words, or the request's
+    slot read already (`shared_slot`'s answer, None: not found). ``packed``: the bytes came
+    from the request's packed copy, which stays valid after its blocks were released early
+    (state PACKED). ``token_hash`` and ``fingerprint``: `request_hash` of ``request_id`` and
+    `digest` of ``block_ids``, where the caller has them already (a pull computes each once)."""
     h = request_hash(request_id) if token_hash is None else token_hash
-    # A bucket is 16 slots of 3 words: plain ints are cheaper to scan than numpy masks.
-    slot = next(
-        (
-            row
-            for row in np.asarray(bucket, dtype=np.int64).reshape(SLOTS, SLOT_WORDS).tolist()
-            if row[0] >> 16 == h
-        ),
-        None,
-    )
+    if bucket is None or isinstance(bucket, tuple):
+        slot: Any = bucket
+    else:
+        # A bucket is 16 slots of 3 words: plain ints are cheaper to scan than numpy masks.
+        slot = next(
+            (
+                row
+                for row in np.asarray(bucket, dtype=np.int64).reshape(SLOTS, SLOT_WORDS).tolist()
+                if row[0] >> 16 == h
+            ),
+            None,
+        )
     if slot is None:
         return NotExposedError(
             f"{_where(request_id, prefill_rank)} is not exposed (never exposed there, or released "

@@ -16,8 +16,9 @@ and the check READs the table through NIXL as before.
 The argument for soundness is the READ check's: the bucket is read after every data read
 completed, and a prefill rank writes a request's release into its table before its blocks
 go back to the engine; a memory load sees that write no later than a READ posted at the
-same moment would. The copy reads each slot's token before its fingerprint and generation
-(`akv.runtime.paths.read.copy_bucket`), so it never pairs a token with an older exposure's
+same moment would. The check loads every slot's token before the matching slot's fingerprint
+and generation (`akv.exposure.shared_slot`; a packed pull's directory entry the same way,
+`akv.runtime.paths.read.copy_bucket`), so it never pairs a token with an older exposure's
 fields.
 
 A rank that packs (`akv.packing`) shares its packed-copy directory the same way
@@ -64,8 +65,7 @@ class TableShare(msgspec.Struct, frozen=True, kw_only=True):
 def host_key() -> str:
     """This process's host for table sharing: its kernel's boot id and its network and
     process namespaces ("" where they cannot be read, or off x86-64: nothing is shared; the
-    check's copy relies on x86-64 keeping loads in order, see
-    `akv.runtime.paths.read.copy_bucket`)."""
+    check relies on x86-64 keeping loads in order, see `akv.exposure.shared_slot`)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ""
     try:

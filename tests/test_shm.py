@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ IDS = np.arange(4, dtype=np.int32)
 #: Run in another process: map the table a share names and verify request "r1" in it.
 CHILD = """
 import sys
+import anyio
 import msgspec
 import numpy as np
 from akv import exposure, shm
@@ -198,3 +200,103 @@ def test_a_directory_bucket_copied_while_rewritten_is_a_settled_entry_or_empty()
         version[row, 1] = n + 1
     copy_entries(_Rewritten(churn), slot)  # type: ignore[arg-type]
     assert find(slot, "r1") is None and slot.shape == (exposure.SLOTS, DIR_WORDS)
+
+
+def test_a_slot_loaded_from_shared_memory_gives_the_verdict_of_the_bucket_read_over_nixl() -> None:
+    """A check in shared memory loads only the request's slot (`shared_slot`): for every state
+    of the exposure (exposed, packed, released by each reason, exposed again, with other
+    block ids, never exposed) `verify` gives the same answer as on the whole bucket, which a
+    check READ over NIXL brings back."""
+    table = ExposureTable(SHAPE[0])
+    h = exposure.request_hash("r1")
+    bucket = table.array[h % SHAPE[0]]
+    other = np.arange(4, 8, dtype=np.int32)
+
+    def verdicts(**kw: Any) -> tuple[str, str]:
+        got = [
+            exposure.verify(b, "r1", IDS, prefill_rank=0, **kw)
+            for b in (bucket.copy(), exposure.shared_slot(bucket, h))
+        ]
+        a, b = (type(e).__name__ if e is not None else "ok" for e in got)
+        return a, b
+
+    seen = {verdicts(generation=7)[0]}  # never exposed
+    table.publish("r0-neighbour", other, generation=1)  # another request in the bucket
+    table.publish("r1", IDS, generation=7)
+    for kw in ({"generation": 7}, {"generation": 8}, {"generation": 7, "packed": True}):
+        a, b = verdicts(**kw)
+        assert a == b
+        seen.add(a)
+    table.publish("r1", other, generation=7)
+    seen.add(verdicts(generation=7)[0])
+    table.publish("r1", IDS, generation=7)
+    table.mark_packed("r1")
+    for kw in ({"packed": False}, {"packed": True}):
+        a, b = verdicts(**kw)
+        assert a == b
+        seen.add(a)
+    for reason in ("read", "expired", "closed"):
+        table.publish("r1", IDS, generation=7)
+        table.retire("r1", reason)
+        a, b = verdicts(generation=7)
+        assert a == b
+        seen.add(a)
+    assert seen == {
+        "ok",
+        "NotExposedError",
+        "ReexposedError",
+        "OutsideExposureError",
+        "ReleasedError",
+        "LeaseExpiredError",
+    }
+
+
+class _Loads:
+    """A bucket that records the order of the loads made from it."""
+
+    def __init__(self, bucket: np.ndarray) -> None:
+        self.bucket = bucket
+        self.loads: list[str] = []
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        self.loads.append("tokens" if key == (slice(None), 0) else f"fields of slot {key[0]}")
+        return self.bucket[key]
+
+
+def test_a_check_in_shared_memory_loads_every_token_before_the_fields_of_its_slot() -> None:
+    """The prefill rank writes a slot's token last and clears it first: `shared_slot` loads
+    the tokens first and only then the matching slot's fingerprint and generation, so a token
+    read as exposed never comes with an older exposure's fields."""
+    table = ExposureTable(1)
+    table.publish("r0", np.arange(2, dtype=np.int32))
+    table.publish("r1", IDS, generation=3)
+    loads = _Loads(table.array[0])
+    slot = exposure.shared_slot(loads, exposure.request_hash("r1"))  # type: ignore[arg-type]
+    assert loads.loads == ["tokens", "fields of slot 1"]
+    assert slot is not None and slot[1] == exposure.digest(IDS) and slot[2] >> 32 == 3
+    absent = _Loads(table.array[0])
+    assert exposure.shared_slot(absent, exposure.request_hash("r2")) is None  # type: ignore[arg-type]
+    assert absent.loads == ["tokens"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("same_process", ["auto", "nixl"])
+async def test_a_pull_that_finds_its_request_not_exposed_yet_releases_nothing_exposed_after(
+    same_process: str,
+) -> None:
+    """A pull that finds its request not exposed yet (an engine retries until the prefill
+    exposes it) has nothing to release: it sends no "done" notice, so the exposure made right
+    after it stays until the pull that reads it, through the copy path and through NIXL reads
+    checked in shared memory."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine, decode_rank(spec, same_process=same_process) as consumer:
+        session = await consumer.connect(engine.endpoint)
+        with pytest.raises(akv.NotExposedError):
+            await (await session.pull("r", [3, 4], [1, 2]))
+        engine.fill("r", [1, 2], seed=5)
+        await anyio.sleep(0.3)  # the poller's rounds: whatever the failed pull queued goes out
+        assert not engine.releases
+        result = await (await session.pull("r", [3, 4], [1, 2]))
+        assert result.path == ("copy" if same_process == "auto" else "read")
+        assert verify(consumer, [3, 4], 5, [0, 1])
+        await wait_for(lambda: [r.reason for r in engine.releases] == ["read"])

@@ -65,7 +65,7 @@ Outcome = Pending | Failed | None
 
 
 def unsafe(
-    buckets: Iterable[tuple[int, npt.NDArray[Any]]],
+    buckets: Iterable[tuple[int, npt.NDArray[Any] | tuple[int, int, int] | None]],
     request_id: str,
     remote_ids: npt.NDArray[np.int32],
     read_ids: npt.NDArray[np.int32],
@@ -75,7 +75,8 @@ def unsafe(
     fingerprint: int | None = None,
 ) -> UnsafeReadError | None:
     """The exposure check of a pull over the buckets read from each prefill rank (``(rank,
-    bucket)`` pairs, read once its bytes were in place): None if every one still holds the
+    bucket)`` pairs, read once its bytes were in place; a bucket in shared memory is given as
+    the request's slot, `akv.exposure.shared_slot`'s answer): None if every one still holds the
     request's exposure, else the first typed error. ``generation``: one for every rank, or
     per rank (a packed read binds to each rank's own); ``packed``, ``token_hash`` and
     ``fingerprint``: see `akv.exposure.verify`."""

@@ -532,8 +532,9 @@ class LocalCopy:
             h = exposure.request_hash(self.request_id)
             buckets = [(rank, local.table[h % local.buckets].copy()) for rank, local in self.checks]
             error = unsafe(buckets, self.request_id, self.remote_ids, self.read_ids, self.generation)
-            if error is not None:
-                return Failed(error, notify=tuple(r for r, _ in self.checks))
+            if error is not None:  # the ranks that hold the request hear the pull is over
+                held = tuple(r for r, b in buckets if exposure.shared_slot(b, h) is not None)
+                return Failed(error, notify=held)  # (a notice would release a later exposure)
         return None
 
     def abort(self) -> None:

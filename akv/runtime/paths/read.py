@@ -4,8 +4,8 @@ A pull reads in two stages: ``reading`` (one READ per prefill rank, of the plan'
 ``checking`` (one small READ per prefill rank read from, of the exposure-table bucket that
 proves the blocks were still exposed when the data reads completed; it carries the "done"
 notice, so the prefill rank cannot release before the check was read). Where the rank is on
-this host and shares its table (`akv.shm`, `RankCheck.table`), the check copies the bucket
-from memory instead, and its notice waits in the `CheckBatcher` for a background READ
+this host and shares its table (`akv.shm`, `RankCheck.table`), the check loads the request's
+slot from memory instead (`akv.exposure.shared_slot`), and its notice waits in the `CheckBatcher` for a background READ
 (`flush_after_notice`) that no pull waits for.
 
 Checks wait in the poller's `CheckBatcher` until the end of its round: then each prefill
@@ -342,7 +342,7 @@ class Post(Protocol):
 class RankCheck:
     """Where a prefill rank's exposure table is: its prepared list and bucket count, and
     ``table``, the table itself mapped read-only where the rank is on this host (`akv.shm`:
-    the check then copies the bucket instead of READing it). ``released``: the list was given
+    the check then loads the request's slot instead of READing the bucket). ``released``: the list was given
     back (the link dropped), nothing may be posted with it any more."""
 
     dlist: DlistHandle
@@ -408,6 +408,8 @@ class NixlRead:
         self._aborted = False
         self._pending: dict[XferHandle, int] = {}
         self._slots: dict[int, int] = {}  # prefill rank -> check slot
+        # prefill rank -> its slot read from the table in shared memory (None: not found)
+        self._shared: dict[int, tuple[int, int, int] | None] = {}
         self._tickets: dict[int, CheckTicket] = {}  # prefill rank -> its check (batched)
         self._notified: frozenset[int] = frozenset()  # see take_notified
         self._told = False  # the notice went out (its reads are done)
@@ -503,7 +505,7 @@ class NixlRead:
             if not landed:
                 return Pending(changed)
             self._tickets.clear()  # the batch is done with them: the slots are this op's again
-        self._sent(frozenset(self._slots))
+        self._sent(frozenset(self._slots).union(self._shared))
         error = self._verify()
         if error is not None:
             return Failed(error)
@@ -528,19 +530,20 @@ class NixlRead:
             check = checks.get(rank)
             if check is None:  # the rank was re-linked (or lost) since the data reads
                 return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
+            bucket = h % check.buckets
+            if check.table is not None:  # on this host: memory loads, now that the data is in
+                if check.released:  # the rank was unlinked since the data reads
+                    return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
+                found = self._shared[rank] = exposure.shared_slot(check.table[bucket], h)
+                self.count("checks_shared", 1)
+                if found is not None:  # not exposed there: no notice, it would release a later exposure
+                    shared.append(check)
+                continue
             try:
                 slot = pool.acquire()
             except BackPressureError as exc:
                 return Failed(exc)
             self._slots[rank] = slot
-            bucket = h % check.buckets
-            if check.table is not None:  # on this host: memory loads, now that the data is in
-                if check.released:  # the rank was unlinked since the data reads
-                    return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
-                copy_bucket(check.table[bucket], pool.array[slot])
-                self.count("checks_shared", 1)
-                shared.append(check)
-                continue
             if self.batcher is not None:
                 ticket = CheckTicket(self.backend, self.reaper, check, slot, bucket, self.notice, self.count)
                 self._tickets[rank] = ticket
@@ -569,7 +572,9 @@ class NixlRead:
         pool = self.pool
         if pool is None:
             return None
-        buckets = [(rank, pool.array[slot]) for rank, slot in self._slots.items()]
+        buckets: list[tuple[int, Any]] = [(rank, pool.array[slot]) for rank, slot in self._slots.items()]
+        if self._shared:
+            buckets += self._shared.items()
         return unsafe(
             buckets,
             self.request_id,
