@@ -52,6 +52,85 @@ async def test_concurrent_pulls_verify_and_release_once() -> None:
         await wait_for(lambda: not consumers[0].backend.active_transfers)
 
 
+@pytest.mark.parametrize("same_process", ["auto", "nixl"])
+async def test_pulls_launched_together_verify_and_release_once_and_a_bad_one_posts_nothing(
+    same_process: str,
+) -> None:
+    """`pull_many` launches a batch (through the copy path, or NIXL reads with the check in
+    shared memory): every pull verifies and each prefill rank releases each request once; a
+    batch holding one bad request raises its error and posts nothing of the others (they stay
+    exposed and are pulled afterwards); a request that is not exposed fails alone."""
+    spec = make_spec(kv_heads=4, num_blocks=128)
+    async with (
+        prefill_engine(spec, 2) as engine,
+        decode_engine(spec, 1, same_process=same_process) as (consumer,),
+    ):
+        session = await consumer.connect(engine.endpoint)
+        reqs = [
+            akv.PullRequest(
+                request_id=f"r{i}",
+                local_block_ids=list(range(i * 3, i * 3 + 3)),
+                remote_block_ids=list(range(127 - i * 3, 124 - i * 3, -1)),
+            )
+            for i in range(12)
+        ]
+        for r in reqs:
+            engine.fill(r.request_id, list(r.remote_block_ids), seed=hash(r.request_id) & 0xFFF)
+        bad = akv.PullRequest(request_id="bad", local_block_ids=[0], remote_block_ids=[999])
+        posted = consumer.metrics.counters.get("xfers_data", 0)
+        with pytest.raises(akv.BlockIdError, match="999"):
+            await session.pull_many([*reqs[:6], bad])
+        assert consumer.metrics.counters.get("xfers_data", 0) == posted and not consumer.inflight
+        assert not engine.releases
+        transfers = await session.pull_many(reqs)
+        assert [t.request_id for t in transfers] == [r.request_id for r in reqs]
+        results = [await t for t in transfers]
+        assert {r.path for r in results} == {"copy" if same_process == "auto" else "read"}
+        for r in reqs:
+            assert verify(consumer, list(r.local_block_ids), hash(r.request_id) & 0xFFF, range(3))
+        await wait_for(lambda: len(engine.releases) == 24)
+        assert Counter((r.request_id, r.reason) for r in engine.releases) == Counter(
+            {(r.request_id, "read"): 2 for r in reqs}
+        )
+        engine.fill("late", [1, 2], seed=6)
+        unexposed = akv.PullRequest(request_id="never", local_block_ids=[40], remote_block_ids=[3])
+        late = akv.PullRequest(request_id="late", local_block_ids=[41, 42], remote_block_ids=[1, 2])
+        never, ok = await session.pull_many([unexposed, late])
+        with pytest.raises(akv.NotExposedError):
+            await never
+        await ok
+        assert verify(consumer, [41, 42], 6, [0, 1])
+        assert await session.pull_many([]) == []
+        await wait_for(lambda: not consumer.backend.active_transfers)
+
+
+async def test_a_pull_whose_reads_cannot_be_posted_fails_alone_in_its_batch() -> None:
+    """In a `pull_many` batch, the request whose READ cannot be posted gets a transfer that
+    raises the error `pull` raises; the others complete, and the failed one's blocks are
+    released by lease, not by a notice."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine:
+        backend = HeldBackend("held-many-d0")
+        async with decode_rank(spec, backend=backend, same_process="nixl") as consumer:
+            session = await consumer.connect(engine.endpoint)
+            for i in range(4):
+                engine.fill(f"r{i}", [i + 1], seed=i)
+            backend.posts, backend.fail_post = 0, 3  # the third request's READ
+            reqs = [
+                akv.PullRequest(request_id=f"r{i}", local_block_ids=[10 + i], remote_block_ids=[i + 1])
+                for i in range(4)
+            ]
+            transfers = await session.pull_many(reqs)
+            with pytest.raises(akv.PeerLostError, match="injected"):
+                await transfers[2]
+            for i in (0, 1, 3):
+                await transfers[i]
+                assert verify(consumer, [10 + i], i, range(1))
+            await wait_for(lambda: len(engine.releases) == 3)
+            assert sorted(r.request_id for r in engine.releases) == ["r0", "r1", "r3"]
+            assert engine.producers[0].pending == 1
+
+
 async def test_cancelled_waiter_leaves_no_dangling_transfer() -> None:
     """Cancelling the task awaiting a pull only stops the wait; the read completes and is released."""
     spec = make_spec(num_blocks=64, layers=4, block_size=16, head_dim=64)

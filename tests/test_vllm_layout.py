@@ -722,6 +722,70 @@ def worker_hand_over(device: str, content: Content, layout: str) -> None:
         prefill.shutdown()
 
 
+def test_a_steps_pulls_from_one_instance_land_together_and_each_fails_alone() -> None:
+    """A decode step with several pulls from one prefill instance launches them together:
+    each lands bit-exact, one the prefill exposes only later lands once it is exposed, and
+    one with a block id outside the decode cache fails alone."""
+    import socket
+    import time
+
+    from akv.integrations.vllm.identity import Identity
+    from akv.integrations.vllm.params import ConnectorMeta, ExposeJob, PullJob
+    from akv.integrations.vllm.worker import WorkerHalf
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    options = parse_options({"port": port, "expose_wait": 20.0})
+    prefill = WorkerHalf(Identity(options, "vllm-p", port, 1, BS, "block", True, False), [GROUP], 0, 1)
+    decode = WorkerHalf(Identity(options, "vllm-d", 0, 1, BS, "block", False, True), [GROUP], 0, 1)
+    kv_p = {n: vllm_tensor("LBHNC", HEADS) for n in NAMES}
+    kv_d = {n: vllm_tensor("LBHNC", HEADS) for n in NAMES}
+    for li, t in enumerate(kv_p.values()):
+        for c, view in enumerate(kv_views(t, "block")):
+            for b in range(1, 7):
+                for h in range(HEADS):
+                    view[b, h] = torch.tensor([value(li, c, h, tok, b) for tok in range(BS)])[:, None]
+    prefill.start(kv_p)
+    decode.start(kv_d)
+    try:
+        source = {"a": (1, 2), "b": (3,), "late": (4, 5), "bad": (6,)}
+        target = {"a": (7, 1), "b": (2,), "late": (4, 5), "bad": (NB,)}  # NB: past the decode cache
+        prefill.after_forward(
+            ConnectorMeta(expose={r: ExposeJob((source[r],), 11) for r in ("a", "b", "bad")})
+        )
+        pulls = {
+            r: PullJob(
+                RemoteKV(f"127.0.0.1:{port}", r, (source[r],), 11, len(source[r]) * BS, BS, 60.0),
+                (target[r],),
+            )
+            for r in source
+        }
+        decode.step(ConnectorMeta(pull=pulls))
+        time.sleep(0.3)
+        prefill.after_forward(ConnectorMeta(expose={"late": ExposeJob((source["late"],), 11)}))
+        finished: set[str] = set()  # pulls done, failed or not
+        failed: set[str] = set()
+        deadline = time.monotonic() + 60
+        while finished != set(source) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            _, done, bad = decode.out.take()
+            finished |= done
+            failed |= bad
+        assert finished == set(source) and failed == {"bad"}
+        for li, t in enumerate(kv_d.values()):
+            for c, view in enumerate(kv_views(t, "block")):
+                for r in ("a", "b", "late"):
+                    for lb, rb in zip(target[r], source[r], strict=True):
+                        want = torch.tensor(
+                            [[value(li, c, h, tok, rb) for tok in range(BS)] for h in range(HEADS)]
+                        )
+                        assert torch.equal(view[lb, :, :, 0], want), (r, li, c, lb)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
 def test_the_launcher_runs_tp_1_in_the_engine_core_process_only_when_asked() -> None:
     """``executor="uni"`` asks vLLM for its one-process executor and sets the switch vLLM's CPU
     build needs to keep it; by default neither is set; TP 2 with ``uni``, and the command

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -36,6 +36,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from akv.errors import AkvError, NotExposedError, UnknownRequestError
 from akv.integrations.vllm.layout import LayerGroup, describe
 from akv.integrations.vllm.params import ConnectorMeta, ExposeJob, PullJob
+
+if TYPE_CHECKING:
+    from akv.runtime.transfer import PullRequest, Transfer
 
 __all__ = ["Outcomes", "WorkerHalf"]
 
@@ -305,8 +308,44 @@ class WorkerHalf:
 
     def _start_pulls(self, tg: Any) -> None:
         while self._pulls:
+            by_source: dict[str, dict[str, PullJob]] = {}
             for rid, job in self._pulls.popleft().items():
+                by_source.setdefault(job.remote.address, {})[rid] = job
+            for jobs in by_source.values():
+                if len(jobs) == 1:
+                    tg.start_soon(self._pull, *next(iter(jobs.items())))
+                else:
+                    tg.start_soon(self._pull_together, tg, jobs)
+
+    async def _pull_together(self, tg: Any, jobs: Mapping[str, PullJob]) -> None:
+        """A step's pulls from one prefill instance, launched together (`pull_many`); each is
+        then awaited on its own, as `_pull` does. If the batch cannot be launched (a bad
+        request in it, the instance unreachable), each pull goes its own way and reports its
+        own outcome."""
+        t0 = time.perf_counter()
+        try:
+            reqs = [self._request(job) for job in jobs.values()]
+            session = await self.consumer.connect(next(iter(jobs.values())).remote.address)
+            transfers = await session.pull_many(reqs)
+        except Exception:
+            for rid, job in jobs.items():
                 tg.start_soon(self._pull, rid, job)
+            return
+        for (rid, job), transfer in zip(jobs.items(), transfers, strict=True):
+            tg.start_soon(self._pull, rid, job, transfer, t0)
+
+    def _request(self, job: PullJob) -> PullRequest:
+        import akv
+
+        remote = job.remote
+        return akv.PullRequest(
+            request_id=remote.request_id,
+            local_block_ids=self._ids(job.local_block_ids),
+            remote_block_ids=self._ids(remote.block_ids),
+            generation=remote.generation,
+            num_tokens=remote.num_tokens if any(g.kind == "sliding" for g in self.groups) else None,
+            lease_s=remote.lease,
+        )
 
     def _expose_all(self, jobs: Mapping[str, ExposeJob], withdraw: Iterable[str]) -> None:
         for rid in withdraw:
@@ -344,26 +383,24 @@ class WorkerHalf:
             self.out.sent.add(release.request_id)
             self.out.releases[release.reason] = self.out.releases.get(release.reason, 0) + 1
 
-    async def _pull(self, rid: str, job: PullJob) -> None:
-        import akv
-
-        t0 = time.perf_counter()
+    async def _pull(
+        self, rid: str, job: PullJob, launched: Transfer | None = None, t0: float | None = None
+    ) -> None:
+        """Pull one request (``launched``: its transfer, launched with its step's others at
+        ``t0``), trying again while the prefill instance has not exposed it yet."""
+        t0 = time.perf_counter() if t0 is None else t0
         deadline = time.monotonic() + self.ident.options.expose_wait
         remote = job.remote
         try:
-            num_tokens = remote.num_tokens if any(g.kind == "sliding" for g in self.groups) else None
-            req = akv.PullRequest(
-                request_id=remote.request_id,
-                local_block_ids=self._ids(job.local_block_ids),
-                remote_block_ids=self._ids(remote.block_ids),
-                generation=remote.generation,
-                num_tokens=num_tokens,
-                lease_s=remote.lease,
-            )
+            req = self._request(job)
             while True:
                 try:
-                    session = await self.consumer.connect(remote.address)
-                    result = await (await session.pull(req))
+                    if launched is not None:
+                        transfer, launched = launched, None
+                    else:
+                        session = await self.consumer.connect(remote.address)
+                        transfer = await session.pull(req)
+                    result = await transfer
                     break
                 except NotExposedError:
                     # the prefill workers expose a request one engine step after it finished
