@@ -284,16 +284,7 @@ class TransferSession:
                 if posted.unsettled:
                     await self.poller.settle(posted.op)  # nothing it posted lands once it reports
                 op = posted.op if posted.op is not None else _Refused(launch.path, posted.error)
-                failed = Transfer(
-                    self,
-                    launch.request_id,
-                    launch.prepared,
-                    launch.notice,
-                    launch.state,
-                    op,
-                    (),
-                    self.poller.fail,
-                )
+                failed = self._transfer(launch, op, ())
                 failed.finish(posted.error)
                 transfers[i] = failed
         return [t for t in transfers if t is not None]
@@ -352,11 +343,8 @@ class TransferSession:
         unsettled = error is not None and op is not None and self.poller.reaper.holds(op)
         return _Posted(op, notify, error, unsettled=unsettled)
 
-    def _track(self, launch: _Launch, posted: _Posted) -> Transfer:
-        """The launched pull's `Transfer`, handed to the poller (a push whose announcement
-        could not be sent: failed there, settled once the writers told stopped)."""
-        op = posted.op
-        assert op is not None
+    def _transfer(self, launch: _Launch, op: PathOp, notify: tuple[int, ...]) -> Transfer:
+        """The `Transfer` of a launched pull (not yet handed to the poller)."""
         transfer = Transfer(
             self,
             launch.request_id,
@@ -364,10 +352,17 @@ class TransferSession:
             launch.notice,
             launch.state,
             op,
-            posted.notify,
+            notify,
             self.poller.fail,
         )
         transfer.generation = launch.request.generation
+        return transfer
+
+    def _track(self, launch: _Launch, posted: _Posted) -> Transfer:
+        """The launched pull's `Transfer`, handed to the poller (a push whose announcement
+        could not be sent: failed there, settled once the writers told stopped)."""
+        assert posted.op is not None
+        transfer = self._transfer(launch, posted.op, posted.notify)
         self.transfers.add(transfer)
         self.poller.track(transfer)
         if posted.error is not None:  # an announcement could not be sent: the writers told already stop
