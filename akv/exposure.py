@@ -14,8 +14,9 @@ buckets of ``SLOTS`` slots, a slot being three int64 words ``(token, digest, nbl
 
 A request lives in bucket ``hash47 % buckets``. After its data reads complete, a decode rank
 reads that one bucket (one small READ, which also carries its "done" notice, so the prefill
-rank cannot release before the bucket was read; on the prefill rank's host, a copy from the
-table in shared memory, `akv.shm`, with the notice sent after it) and checks it with :func:`verify`: success
+rank cannot release before the bucket was read; on the prefill rank's host, loads of the
+request's slot from the table in shared memory, :func:`shared_slot`, with the notice sent
+after them) and checks it with :func:`verify`: success
 needs a slot of its request in state EXPOSED with the digest of the block ids it was given.
 No round trip through the prefill rank's event loop is involved.
 """
@@ -152,16 +153,28 @@ def _ids(read_ids: Sequence[int] | npt.NDArray[Any]) -> tuple[int, ...]:
 def shared_slot(bucket: npt.NDArray[np.int64], token_hash: int) -> tuple[int, int, int] | None:
     """Read a request's slot straight from a bucket of a table in shared memory (`akv.shm`):
     ``(token, fingerprint, generation word)``, None if no slot holds ``token_hash``. Every
-    token is loaded first, then the matching slot's other words (x86-64 keeps loads in program
-    order): a prefill rank writes a slot's token last when it publishes and clears it first,
-    so a token read as EXPOSED comes with the fingerprint and generation of that exposure or
-    of a later one, never of an earlier one."""
-    tokens = bucket[:, 0].tolist()
-    for i, token in enumerate(tokens):
-        if token >> 16 == token_hash:
-            fp, word = bucket[i, 1:].tolist()
-            return token, fp, word
-    return None
+    token is loaded first, then the matching slot's other words, then its token again (x86-64
+    keeps loads in program order): a prefill rank writes a slot's token last when it
+    publishes and clears it first, so a token read as EXPOSED comes with the fingerprint and
+    generation of that exposure or of a later one, never of an earlier one, and a slot
+    cleared and written again between the loads (its token changed) is read again."""
+    for _ in range(4):
+        tokens = bucket[:, 0].tolist()
+        for i, token in enumerate(tokens):
+            if token >> 16 == token_hash:
+                fp, word = bucket[i, 1:].tolist()
+                if int(bucket[i, 0]) == token:
+                    return token, fp, word
+                break  # rewritten under the loads: read the bucket again
+        else:
+            return None
+    return None  # rewritten on every read: taken as not exposed (the pull fails, unread)
+
+
+def live(slot: tuple[int, int, int] | None) -> bool:
+    """True if a slot (`shared_slot`'s answer) holds an exposure that was not released: one
+    whose readers' "done" notices are awaited."""
+    return slot is not None and (slot[0] & 0xFFFF) in (EXPOSED, PACKED)
 
 
 def verify(

@@ -17,7 +17,8 @@ The argument for soundness is the READ check's: the bucket is read after every d
 completed, and a prefill rank writes a request's release into its table before its blocks
 go back to the engine; a memory load sees that write no later than a READ posted at the
 same moment would. The check loads every slot's token before the matching slot's fingerprint
-and generation (`akv.exposure.shared_slot`; a packed pull's directory entry the same way,
+and generation, then that token again (`akv.exposure.shared_slot`; a packed pull's
+directory entry likewise,
 `akv.runtime.paths.read.copy_bucket`), so it never pairs a token with an older exposure's
 fields.
 

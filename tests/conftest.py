@@ -137,10 +137,18 @@ class Engine:
     def endpoint(self) -> str:
         return str(self.server.endpoint)
 
-    def fill(self, request_id: str, block_ids: Sequence[int], seed: int, lease: float | None = None) -> int:
-        """Write a request's blocks on every rank and expose them; returns rank 0's generation."""
+    def fill(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        seed: int,
+        lease: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> int:
+        """Write a request's blocks on every rank (or on ``ranks``) and expose them; returns
+        the first one's generation."""
         generations = []
-        for p in self.producers:
+        for p in self.producers if ranks is None else [self.producers[r] for r in ranks]:
             for region, t in enumerate(p.kv_caches):
                 view = t.view(torch.uint8).view(self.spec.num_blocks, -1)
                 view[list(block_ids)] = torch.from_numpy(

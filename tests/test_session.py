@@ -203,9 +203,13 @@ async def test_bad_request_ids_and_token_counts_fail_the_request_only() -> None:
 
 async def test_lease_expiry_releases_once_and_late_notice_is_counted() -> None:
     """An unread request is released by lease exactly once; a later pull fails with
-    LeaseExpiredError (never success) and its 'done' is counted as unknown."""
+    LeaseExpiredError (never success) and the 'done' its check READ carries is counted as
+    unknown (a check made in memory sends none: tests/test_shm.py)."""
     spec = make_spec()
-    async with prefill_engine(spec, 1, lease=0.2) as engine, decode_engine(spec, 1) as (consumer,):
+    async with (
+        prefill_engine(spec, 1, lease=0.2) as engine,
+        decode_engine(spec, 1, same_process="nixl", check_with="read") as (consumer,),
+    ):
         with engine.producers[0].releases() as stream:
             engine.fill("slow", [1, 2], seed=1)
             await wait_for(lambda: engine.releases)

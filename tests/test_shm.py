@@ -252,51 +252,88 @@ def test_a_slot_loaded_from_shared_memory_gives_the_verdict_of_the_bucket_read_o
 
 
 class _Loads:
-    """A bucket that records the order of the loads made from it."""
+    """A bucket that records the order of the loads made from it (``after_fields``: run once
+    the fields of a slot were loaded, as a prefill rank rewriting the slot meanwhile)."""
 
-    def __init__(self, bucket: np.ndarray) -> None:
+    def __init__(self, bucket: np.ndarray, after_fields: Any = None) -> None:
         self.bucket = bucket
+        self.after_fields = after_fields
         self.loads: list[str] = []
 
-    def __getitem__(self, key: Any) -> np.ndarray:
-        self.loads.append("tokens" if key == (slice(None), 0) else f"fields of slot {key[0]}")
+    def __getitem__(self, key: Any) -> Any:
+        if key == (slice(None), 0):
+            self.loads.append("tokens")
+        elif isinstance(key[1], slice):
+            self.loads.append(f"fields of slot {key[0]}")
+            out = self.bucket[key].copy()
+            if self.after_fields is not None:
+                self.after_fields()
+                self.after_fields = None
+            return out
+        else:
+            self.loads.append(f"token of slot {key[0]}")
         return self.bucket[key]
 
 
 def test_a_check_in_shared_memory_loads_every_token_before_the_fields_of_its_slot() -> None:
     """The prefill rank writes a slot's token last and clears it first: `shared_slot` loads
-    the tokens first and only then the matching slot's fingerprint and generation, so a token
-    read as exposed never comes with an older exposure's fields."""
+    the tokens first, then the matching slot's fingerprint and generation, then its token
+    again, so a token read as exposed never comes with an older exposure's fields, and a slot
+    released and given to another request between the loads is not taken for this one's."""
     table = ExposureTable(1)
     table.publish("r0", np.arange(2, dtype=np.int32))
     table.publish("r1", IDS, generation=3)
+    h = exposure.request_hash("r1")
     loads = _Loads(table.array[0])
-    slot = exposure.shared_slot(loads, exposure.request_hash("r1"))  # type: ignore[arg-type]
-    assert loads.loads == ["tokens", "fields of slot 1"]
-    assert slot is not None and slot[1] == exposure.digest(IDS) and slot[2] >> 32 == 3
+    slot = exposure.shared_slot(loads, h)  # type: ignore[arg-type]
+    assert loads.loads == ["tokens", "fields of slot 1", "token of slot 1"]
+    assert slot is not None and exposure.live(slot)
+    assert slot[1] == exposure.digest(IDS) and slot[2] >> 32 == 3
     absent = _Loads(table.array[0])
     assert exposure.shared_slot(absent, exposure.request_hash("r2")) is None  # type: ignore[arg-type]
     assert absent.loads == ["tokens"]
 
+    def reuse() -> None:  # r1 released, its slot taken by r2 (a full bucket reuses released slots)
+        table.array[0, 1] = [(exposure.request_hash("r2") << 16) | exposure.EXPOSED, 99, 4]
+
+    rewritten = _Loads(table.array[0], after_fields=reuse)
+    assert exposure.shared_slot(rewritten, h) is None  # type: ignore[arg-type]
+    assert rewritten.loads == ["tokens", "fields of slot 1", "token of slot 1", "tokens"]
+
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("case", ["never exposed", "released", "exposed on one rank of two"])
 @pytest.mark.parametrize("same_process", ["auto", "nixl"])
-async def test_a_pull_that_finds_its_request_not_exposed_yet_releases_nothing_exposed_after(
-    same_process: str,
+async def test_a_pull_that_finds_its_request_not_exposed_releases_nothing_exposed_after(
+    same_process: str, case: str
 ) -> None:
-    """A pull that finds its request not exposed yet (an engine retries until the prefill
-    exposes it) has nothing to release: it sends no "done" notice, so the exposure made right
-    after it stays until the pull that reads it, through the copy path and through NIXL reads
-    checked in shared memory."""
+    """A pull that finds its request not exposed on some prefill rank (not yet: an engine
+    pulls again until the prefill exposes it on every rank; or not any more) sends no "done"
+    notice to any rank: one reaching a rank after the exposure that follows would release it
+    unread. The exposure made right after the failed pull stays until the pull that reads
+    it, through the copy path and through NIXL reads checked in shared memory."""
     spec = make_spec()
-    async with prefill_engine(spec, 1) as engine, decode_rank(spec, same_process=same_process) as consumer:
+    ranks = 2 if case == "exposed on one rank of two" else 1
+    async with (
+        prefill_engine(spec, ranks) as engine,
+        decode_rank(spec, same_process=same_process) as consumer,
+    ):
         session = await consumer.connect(engine.endpoint)
-        with pytest.raises(akv.NotExposedError):
+        error: type[akv.AkvError] = akv.NotExposedError
+        if case == "released":
+            engine.fill("r", [1, 2], seed=4)
             await (await session.pull("r", [3, 4], [1, 2]))
-        engine.fill("r", [1, 2], seed=5)
+            await wait_for(lambda: len(engine.releases) == 1)
+            engine.releases.clear()
+            error = akv.ReleasedError
+        elif case == "exposed on one rank of two":
+            engine.fill("r", [1, 2], seed=5, ranks=[0])
+        with pytest.raises(error):
+            await (await session.pull("r", [3, 4], [1, 2]))
+        engine.fill("r", [1, 2], seed=5, ranks=[1] if ranks == 2 else None)
         await anyio.sleep(0.3)  # the poller's rounds: whatever the failed pull queued goes out
         assert not engine.releases
         result = await (await session.pull("r", [3, 4], [1, 2]))
         assert result.path == ("copy" if same_process == "auto" else "read")
         assert verify(consumer, [3, 4], 5, [0, 1])
-        await wait_for(lambda: [r.reason for r in engine.releases] == ["read"])
+        await wait_for(lambda: [r.reason for r in engine.releases] == ["read"] * ranks)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
@@ -261,7 +262,9 @@ class TransferSession:
 
         Raises:
             BlockIdError: bad block ids.
+            ConfigError: a request that is no `PullRequest`, or a bad request id or lease.
             HandshakeError: a needed re-handshake failed.
+            ClosedError: the session or its consumer is closed.
         """
         requests = list(requests)
         for request in requests:
@@ -272,21 +275,28 @@ class TransferSession:
             return []
         plan = await self._ready()
         launches = [self._begin(plan, request, transfer_timeout) for request in requests]
-        posts = [self._post(plan, launch) for launch in launches]
+        posts: list[_Posted] = []
         transfers: list[Transfer | None] = [None] * len(launches)
-        for i, (launch, posted) in enumerate(zip(launches, posts, strict=True)):
-            if posted.error is None or isinstance(posted.op, PushOp):
-                transfers[i] = self._track(launch, posted)
-        if any(posted.error is None and isinstance(posted.op, PushOp) for posted in posts):
-            self.poller.pump()  # the announcements go out now
-        for i, (launch, posted) in enumerate(zip(launches, posts, strict=True)):
-            if transfers[i] is None and posted.error is not None:
-                if posted.unsettled:
-                    await self.poller.settle(posted.op)  # nothing it posted lands once it reports
-                op = posted.op if posted.op is not None else _Refused(launch.path, posted.error)
-                failed = self._transfer(launch, op, ())
-                failed.finish(posted.error)
-                transfers[i] = failed
+        try:
+            for launch in launches:
+                posts.append(self._post(plan, launch))
+        finally:  # what was posted is the poller's, even if a post raised something unforeseen
+            for i, (launch, posted) in enumerate(zip(launches, posts, strict=False)):
+                if posted.error is None or isinstance(posted.op, PushOp):
+                    transfers[i] = self._track(launch, posted)
+            if any(posted.error is None and isinstance(posted.op, PushOp) for posted in posts):
+                self.poller.pump()  # the announcements go out now
+        # The failed starts settle with the caller's cancellation held off: the others run
+        # already, and the caller must get their transfers.
+        with anyio.CancelScope(shield=True):
+            for i, (launch, posted) in enumerate(zip(launches, posts, strict=True)):
+                if transfers[i] is None and posted.error is not None:
+                    if posted.unsettled:
+                        await self.poller.settle(posted.op)  # nothing it posted lands once it reports
+                    op = posted.op if posted.op is not None else _Refused(launch.path, posted.error)
+                    failed = self._transfer(launch, op, ())
+                    failed.finish(posted.error)
+                    transfers[i] = failed
         return [t for t in transfers if t is not None]
 
     async def _ready(self) -> TransferPlan:

@@ -532,9 +532,12 @@ class LocalCopy:
             h = exposure.request_hash(self.request_id)
             buckets = [(rank, local.table[h % local.buckets].copy()) for rank, local in self.checks]
             error = unsafe(buckets, self.request_id, self.remote_ids, self.read_ids, self.generation)
-            if error is not None:  # the ranks that hold the request hear the pull is over
-                held = tuple(r for r, b in buckets if exposure.shared_slot(b, h) is not None)
-                return Failed(error, notify=held)  # (a notice would release a later exposure)
+            if error is not None:
+                # Every rank hears the pull is over, unless the request is not exposed (yet, or
+                # any more) on one of them: an engine then pulls again once the prefill exposes
+                # it, and a notice would release that exposure unread (leases release instead).
+                live = all(exposure.live(exposure.shared_slot(b, h)) for _, b in buckets)
+                return Failed(error, notify=tuple(r for r, _ in self.checks) if live else ())
         return None
 
     def abort(self) -> None:

@@ -410,6 +410,7 @@ class NixlRead:
         self._slots: dict[int, int] = {}  # prefill rank -> check slot
         # prefill rank -> its slot read from the table in shared memory (None: not found)
         self._shared: dict[int, tuple[int, int, int] | None] = {}
+        self._shared_told: frozenset[int] = frozenset()  # the ranks of those whose notice was queued
         self._tickets: dict[int, CheckTicket] = {}  # prefill rank -> its check (batched)
         self._notified: frozenset[int] = frozenset()  # see take_notified
         self._told = False  # the notice went out (its reads are done)
@@ -505,7 +506,7 @@ class NixlRead:
             if not landed:
                 return Pending(changed)
             self._tickets.clear()  # the batch is done with them: the slots are this op's again
-        self._sent(frozenset(self._slots).union(self._shared))
+        self._sent(frozenset(self._slots).union(self._shared_told))
         error = self._verify()
         if error is not None:
             return Failed(error)
@@ -534,10 +535,9 @@ class NixlRead:
             if check.table is not None:  # on this host: memory loads, now that the data is in
                 if check.released:  # the rank was unlinked since the data reads
                     return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
-                found = self._shared[rank] = exposure.shared_slot(check.table[bucket], h)
+                self._shared[rank] = exposure.shared_slot(check.table[bucket], h)
                 self.count("checks_shared", 1)
-                if found is not None:  # not exposed there: no notice, it would release a later exposure
-                    shared.append(check)
+                shared.append(check)
                 continue
             try:
                 slot = pool.acquire()
@@ -561,6 +561,12 @@ class NixlRead:
                 return Failed(exc, rank)
             self.count("xfers_check", 1)
             self._pending[handle] = rank
+        if not all(exposure.live(found) for found in self._shared.values()):
+            # Not exposed (yet, or any more) on some rank: the pull fails, and an engine pulls
+            # again once the prefill exposes it. A notice reaching a rank after that exposure
+            # would release it unread: the ranks release by lease instead.
+            shared = []
+        self._shared_told = frozenset(self._shared) if shared else frozenset()
         for check in shared:  # every rank's check is under way: the notices may leave
             if self.notices is not None:
                 self.notices.notify(self.backend, self.reaper, check, self.notice, self.count)
