@@ -74,11 +74,11 @@ class _Launch:
 
 @dataclass(slots=True)
 class _Posted:
-    """A pull's start on its path: its op (None if nothing was started), the ranks it
+    """A pull's start on its path: its op (`_Refused` if nothing was started), the ranks it
     notifies once done, and the error of a failed start (``unsettled``: what it posted before
     the failure may still land; ``rank``: the prefill rank a push announcement failed to)."""
 
-    op: PathOp | None
+    op: PathOp
     notify: tuple[int, ...]
     error: AkvError | None
     unsettled: bool = False
@@ -293,8 +293,7 @@ class TransferSession:
                 if transfers[i] is None and posted.error is not None:
                     if posted.unsettled:
                         await self.poller.settle(posted.op)  # nothing it posted lands once it reports
-                    op = posted.op if posted.op is not None else _Refused(launch.path, posted.error)
-                    failed = self._transfer(launch, op, ())
+                    failed = self._transfer(launch, posted.op, ())
                     failed.finish(posted.error)
                     transfers[i] = failed
         return [t for t in transfers if t is not None]
@@ -350,7 +349,7 @@ class TransferSession:
             launch.copier,
             launch.fingerprint,
         )
-        unsettled = error is not None and op is not None and self.poller.reaper.holds(op)
+        unsettled = error is not None and self.poller.reaper.holds(op)
         return _Posted(op, notify, error, unsettled=unsettled)
 
     def _transfer(self, launch: _Launch, op: PathOp, notify: tuple[int, ...]) -> Transfer:
@@ -371,7 +370,6 @@ class TransferSession:
     def _track(self, launch: _Launch, posted: _Posted) -> Transfer:
         """The launched pull's `Transfer`, handed to the poller (a push whose announcement
         could not be sent: failed there, settled once the writers told stopped)."""
-        assert posted.op is not None
         transfer = self._transfer(launch, posted.op, posted.notify)
         self.transfers.add(transfer)
         self.poller.track(transfer)
@@ -424,15 +422,15 @@ class TransferSession:
         path: PathName,
         copier: CopyPlan | None,
         fingerprint: int,
-    ) -> tuple[PathOp | None, tuple[int, ...], AkvError | None]:
-        """Start a prepared request on its path (`_route`'s answer); returns the op (None if
-        nothing was started), the ranks to notify once done, and the error of a failed start."""
+    ) -> tuple[PathOp, tuple[int, ...], AkvError | None]:
+        """Start a prepared request on its path (`_route`'s answer); returns the op (`_Refused`
+        if nothing was started), the ranks to notify once done, and the error of a failed start."""
         c = self.rank
         if path == "packed":
             try:
                 op = self._packed_op(prepared, request_id, notice, generation)
             except AkvError as exc:
-                return None, (), exc
+                return _Refused(path, exc), (), exc
             return op, prepared.standalone, self._started(op, op.start())
         if path == "copy" and copier is not None:
             launched = copier.launch(
@@ -440,7 +438,7 @@ class TransferSession:
             )
             if isinstance(launched, Failed):
                 self.metrics.inc("transfers_failed")
-                return None, plan.notify, launched.error
+                return _Refused(path, launched.error), plan.notify, launched.error
             return launched, plan.notify, None
         read = self._direct(prepared, request_id, notice, generation, fingerprint)
         return read, prepared.standalone, self._started(read, read.start())
