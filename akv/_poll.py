@@ -71,7 +71,8 @@ class Backoff:
 
     def wake(self) -> None:
         """New work arrived: end the current sleep and spin again."""
-        self.progressed()
+        self._last = time.monotonic()
+        self._delay = 0.0
         self._event.set()
 
     async def wait(self, busy: bool, limit: float | None = None) -> None:

@@ -64,6 +64,8 @@ EXPOSED, RELEASED_READ, RELEASED_EXPIRED, RELEASED_CLOSED = 1, 2, 3, 4
 #: Exposed through its packed copy only: the paged blocks went back to the engine after
 #: packing (``release_after_pack``), so only a packed read may succeed (akv.packing).
 PACKED = 5
+#: The states of an exposure whose readers' "done" notices are awaited (see `live`).
+LIVE = frozenset((EXPOSED, PACKED))
 #: Generations are 31-bit (they share a word with the block count).
 GENERATION_MASK = (1 << 31) - 1
 _STATE_OF_REASON = {
@@ -150,20 +152,35 @@ def _ids(read_ids: Sequence[int] | npt.NDArray[Any]) -> tuple[int, ...]:
     return tuple(int(b) for b in read_ids)
 
 
-def shared_slot(bucket: npt.NDArray[np.int64], token_hash: int) -> tuple[int, int, int] | None:
-    """Read a request's slot straight from a bucket of a table in shared memory (`akv.shm`):
+def words(table: npt.NDArray[np.int64]) -> memoryview:
+    """A table's (or one bucket's) int64 words as one flat, read-only view: what `shared_slot`
+    loads from (each item read is one aligned 8-byte load). ``table`` must be C-contiguous."""
+    if not table.flags.c_contiguous:
+        raise ValueError("an exposure table's words must be contiguous")
+    return memoryview(table).cast("B").cast("q")  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+#: Words of one bucket (``base`` of bucket ``b`` in `shared_slot`: ``b * BUCKET_WORDS``).
+BUCKET_WORDS = SLOTS * SLOT_WORDS
+
+
+def shared_slot(table: memoryview, token_hash: int, base: int = 0) -> tuple[int, int, int] | None:
+    """Read a request's slot straight from a table in shared memory (`akv.shm`): ``table``
+    its words (`words`), ``base`` the first word of the request's bucket. The answer is
     ``(token, fingerprint, generation word)``, None if no slot holds ``token_hash``. Every
-    token is loaded first, then the matching slot's other words, then its token again (x86-64
-    keeps loads in program order): a prefill rank writes a slot's token last when it
-    publishes and clears it first, so a token read as EXPOSED comes with the fingerprint and
-    generation of that exposure or of a later one, never of an earlier one, and a slot
-    cleared and written again between the loads (its token changed) is read again."""
+    token of the bucket is loaded first, then the matching slot's other words, then its token
+    again (x86-64 keeps loads in program order): a prefill rank writes a slot's token last
+    when it publishes and clears it first, so a token read as EXPOSED comes with the
+    fingerprint and generation of that exposure or of a later one, never of an earlier one,
+    and a slot cleared and written again between the loads (its token changed) is read again."""
+    end = base + BUCKET_WORDS
     for _ in range(4):
-        tokens = bucket[:, 0].tolist()
+        tokens = table[base:end:SLOT_WORDS].tolist()
         for i, token in enumerate(tokens):
             if token >> 16 == token_hash:
-                fp, word = bucket[i, 1:].tolist()
-                if int(bucket[i, 0]) == token:
+                at = base + i * SLOT_WORDS
+                fp, word = table[at + 1], table[at + 2]
+                if table[at] == token:
                     return token, fp, word
                 break  # rewritten under the loads: read the bucket again
         else:
@@ -174,7 +191,7 @@ def shared_slot(bucket: npt.NDArray[np.int64], token_hash: int) -> tuple[int, in
 def live(slot: tuple[int, int, int] | None) -> bool:
     """True if a slot (`shared_slot`'s answer) holds an exposure that was not released: one
     whose readers' "done" notices are awaited."""
-    return slot is not None and (slot[0] & 0xFFFF) in (EXPOSED, PACKED)
+    return slot is not None and (slot[0] & 0xFFFF) in LIVE
 
 
 def verify(

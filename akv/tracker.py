@@ -45,7 +45,7 @@ class TransferState:
     @property
     def finished(self) -> bool:
         """True once done or failed."""
-        return self.stage in (Stage.DONE, Stage.FAILED)
+        return self.stage is not Stage.RUNNING
 
     def fail(self) -> None:
         """Mark failed."""

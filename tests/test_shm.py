@@ -210,12 +210,13 @@ def test_a_slot_loaded_from_shared_memory_gives_the_verdict_of_the_bucket_read_o
     table = ExposureTable(SHAPE[0])
     h = exposure.request_hash("r1")
     bucket = table.array[h % SHAPE[0]]
+    words, base = exposure.words(table.array), (h % SHAPE[0]) * exposure.BUCKET_WORDS
     other = np.arange(4, 8, dtype=np.int32)
 
     def verdicts(**kw: Any) -> tuple[str, str]:
         got = [
             exposure.verify(b, "r1", IDS, prefill_rank=0, **kw)
-            for b in (bucket.copy(), exposure.shared_slot(bucket, h))
+            for b in (bucket.copy(), exposure.shared_slot(words, h, base))
         ]
         a, b = (type(e).__name__ if e is not None else "ok" for e in got)
         return a, b
@@ -252,27 +253,35 @@ def test_a_slot_loaded_from_shared_memory_gives_the_verdict_of_the_bucket_read_o
 
 
 class _Loads:
-    """A bucket that records the order of the loads made from it (``after_fields``: run once
-    the fields of a slot were loaded, as a prefill rank rewriting the slot meanwhile)."""
+    """A bucket's words that record the order of the loads made from them, as `shared_slot`
+    makes them (``after_fields``: run once the fields of a slot were loaded, as a prefill rank
+    rewriting the slot meanwhile)."""
 
     def __init__(self, bucket: np.ndarray, after_fields: Any = None) -> None:
-        self.bucket = bucket
+        self.words = exposure.words(bucket)
         self.after_fields = after_fields
         self.loads: list[str] = []
+        self._fields: set[int] = set()
 
     def __getitem__(self, key: Any) -> Any:
-        if key == (slice(None), 0):
+        if isinstance(key, slice):
+            assert key.step == exposure.SLOT_WORDS and key.start % exposure.SLOT_WORDS == 0
             self.loads.append("tokens")
-        elif isinstance(key[1], slice):
-            self.loads.append(f"fields of slot {key[0]}")
-            out = self.bucket[key].copy()
-            if self.after_fields is not None:
-                self.after_fields()
-                self.after_fields = None
-            return out
+            return self.words[key]
+        slot, word = divmod(key, exposure.SLOT_WORDS)
+        if word == 0:
+            self.loads.append(f"token of slot {slot}")
         else:
-            self.loads.append(f"token of slot {key[0]}")
-        return self.bucket[key]
+            self._fields.add(key)
+            if {slot * exposure.SLOT_WORDS + 1, slot * exposure.SLOT_WORDS + 2} <= self._fields:
+                self.loads.append(f"fields of slot {slot}")
+                self._fields.clear()
+                value = self.words[key]
+                if self.after_fields is not None:
+                    self.after_fields()
+                    self.after_fields = None
+                return value
+        return self.words[key]
 
 
 def test_a_check_in_shared_memory_loads_every_token_before_the_fields_of_its_slot() -> None:
@@ -299,6 +308,14 @@ def test_a_check_in_shared_memory_loads_every_token_before_the_fields_of_its_slo
     rewritten = _Loads(table.array[0], after_fields=reuse)
     assert exposure.shared_slot(rewritten, h) is None  # type: ignore[arg-type]
     assert rewritten.loads == ["tokens", "fields of slot 1", "token of slot 1", "tokens"]
+    # a bucket other than the first: loads at its own words
+    wide = ExposureTable(4)
+    wide.publish("r1", IDS, generation=3)
+    b = h % 4
+    assert exposure.shared_slot(exposure.words(wide.array), h, b * exposure.BUCKET_WORDS) == tuple(
+        int(w) for w in wide.array[b][wide.array[b][:, 0] >> 16 == h][0]
+    )
+    assert exposure.shared_slot(exposure.words(wide.array), h, ((b + 1) % 4) * exposure.BUCKET_WORDS) is None
 
 
 @pytest.mark.anyio

@@ -231,21 +231,22 @@ class PullPoller:
     def track(self, transfer: Transfer) -> None:
         """Take a launched pull (polled once right away: shared-memory reads are often done
         by the time they are posted)."""
+        op = transfer.op
         self._tracker.add(transfer.state, transfer)
-        if isinstance(transfer.op, PushOp):
-            self._grants[transfer.op.grant] = transfer
+        if isinstance(op, PushOp):
+            self._grants[op.grant] = transfer
         now = time.monotonic()
         self._launched += 1
         if (
             self._unflushed
-            and transfer.op.path in ("read", "packed")
+            and op.path in ("read", "packed")
             and not self.batcher.notices
             and self.batcher.sent
         ):
             # its first READs went out behind the notices to those ranks: they flush behind them
             # (not behind notices still queued for a background READ, which goes out later, nor
             # behind one whose READ is still running: NIXL sends that notice once it is done)
-            for rank in transfer.op.ranks:
+            for rank in op.ranks:
                 self._unflushed.pop((transfer.session, rank), None)
         self._check(transfer, now)
         if self._batched and self._inline:
@@ -462,14 +463,16 @@ class PullPoller:
         session = transfer.session
         self._tracker.discard(transfer.state)
         session.transfers.discard(transfer)
-        self._forget_grant(transfer)
+        if self._grants:
+            self._forget_grant(transfer)
         # Reads carry their own notification; the other ranks (all, if nothing was read) get one now.
         if transfer.notify:
             session.notify(transfer.notify, transfer.notice)
-        transfer.finish()
-        result = transfer.result()
-        self.metrics.inc("transfers")
-        self.metrics.observe_transfer(result.bytes, result.descriptors, result.seconds)
+        result = transfer.finish()
+        if result is not None:
+            metrics = self.metrics
+            metrics.inc("transfers")
+            metrics.observe_transfer(result.bytes, result.descriptors, result.seconds)
 
     def _check(self, transfer: Transfer, now: float) -> bool:
         """Poll one transfer; True if anything changed."""

@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -66,6 +66,8 @@ class _Launch:
     state: TransferState
     path: PathName
     copier: CopyPlan | None
+    token_hash: int  # exposure.request_hash of the request id (the check's bucket and token)
+    transfer: Transfer  # its completion, made before anything is posted (op set once started)
 
     @property
     def request_id(self) -> str:
@@ -103,6 +105,10 @@ class _Refused:
 
     def abort(self) -> None:
         return None
+
+
+#: The op of a pull's `Transfer` until its start (never seen outside the session).
+_NOT_STARTED = _Refused("read", ClosedError("the pull was not started"))
 
 
 class TransferSession:
@@ -281,11 +287,16 @@ class TransferSession:
             for launch in launches:
                 posts.append(self._post(plan, launch))
         finally:  # what was posted is the poller's, even if a post raised something unforeseen
+            announced = False
             for i, (launch, posted) in enumerate(zip(launches, posts, strict=False)):
-                if posted.error is None or isinstance(posted.op, PushOp):
+                pushed = isinstance(posted.op, PushOp)
+                if posted.error is None or pushed:
                     transfers[i] = self._track(launch, posted)
-            if any(posted.error is None and isinstance(posted.op, PushOp) for posted in posts):
+                    announced |= pushed and posted.error is None
+            if announced:
                 self.poller.pump()  # the announcements go out now
+        if None not in transfers:  # every one started
+            return cast("list[Transfer]", transfers)
         # The failed starts settle with the caller's cancellation held off: the others run
         # already, and the caller must get their transfers.
         with anyio.CancelScope(shield=True):
@@ -324,47 +335,38 @@ class TransferSession:
         heartbeat = lease / 3 if lease > 0 else 0.0
         state = TransferState(request.request_id, time.monotonic(), timeout, heartbeat)
         path, copier = self._route(prepared)
-        return _Launch(request, prepared, fingerprint, notice, state, path, copier)
+        token_hash = exposure.request_hash(request.request_id)
+        # Made now, before the reads are posted: what runs after them runs cold (the bytes
+        # moved through the caches), and a pull's fixed cost is what runs after them.
+        transfer = Transfer(
+            self, request.request_id, prepared, notice, state, _NOT_STARTED, (), self.poller.fail
+        )
+        transfer.generation = request.generation
+        return _Launch(request, prepared, fingerprint, notice, state, path, copier, token_hash, transfer)
 
     def _post(self, plan: TransferPlan, launch: _Launch) -> _Posted:
         """Start a planned request on its path; a failure comes back in the answer, with
         ``unsettled`` set while what was posted before it may still land."""
-        request, prepared = launch.request, launch.prepared
         if launch.path == "push":
-            push = self._launch_push(prepared, request)
+            push = self._launch_push(launch.prepared, launch.request)
             failed = push.start()
             return _Posted(
                 push,
-                prepared.standalone,
+                launch.prepared.standalone,
                 None if failed is None else failed.error,
                 rank=None if failed is None else failed.rank,
             )
-        op, notify, error = self._launch(
-            plan,
-            prepared,
-            request.request_id,
-            launch.notice,
-            request.generation,
-            launch.path,
-            launch.copier,
-            launch.fingerprint,
-        )
-        unsettled = error is not None and self.poller.reaper.holds(op)
-        return _Posted(op, notify, error, unsettled=unsettled)
+        op, notify, error = self._launch(plan, launch)
+        if error is None:
+            return _Posted(op, notify, None)
+        return _Posted(op, notify, error, unsettled=self.poller.reaper.holds(op))
 
     def _transfer(self, launch: _Launch, op: PathOp, notify: tuple[int, ...]) -> Transfer:
-        """The `Transfer` of a launched pull (not yet handed to the poller)."""
-        transfer = Transfer(
-            self,
-            launch.request_id,
-            launch.prepared,
-            launch.notice,
-            launch.state,
-            op,
-            notify,
-            self.poller.fail,
-        )
-        transfer.generation = launch.request.generation
+        """The `Transfer` of a launched pull, with its op and the ranks it notifies once done
+        (not yet handed to the poller)."""
+        transfer = launch.transfer
+        transfer.op = op
+        transfer.notify = notify
         return transfer
 
     def _track(self, launch: _Launch, posted: _Posted) -> Transfer:
@@ -412,36 +414,39 @@ class TransferSession:
             return None
         return copier if copier.covers({op.remote_rank for op, _, _ in prepared.posts}) else None
 
-    def _launch(
-        self,
-        plan: TransferPlan,
-        prepared: Prepared,
-        request_id: str,
-        notice: bytes,
-        generation: int,
-        path: PathName,
-        copier: CopyPlan | None,
-        fingerprint: int,
-    ) -> tuple[PathOp, tuple[int, ...], AkvError | None]:
-        """Start a prepared request on its path (`_route`'s answer); returns the op (`_Refused`
+    def _launch(self, plan: TransferPlan, launch: _Launch) -> tuple[PathOp, tuple[int, ...], AkvError | None]:
+        """Start a planned request on its path (`_route`'s answer); returns the op (`_Refused`
         if nothing was started), the ranks to notify once done, and the error of a failed start."""
-        c = self.rank
+        prepared, path, request = launch.prepared, launch.path, launch.request
         if path == "packed":
             try:
-                op = self._packed_op(prepared, request_id, notice, generation)
+                op = self._packed_op(prepared, request.request_id, launch.notice, request.generation)
             except AkvError as exc:
                 return _Refused(path, exc), (), exc
             return op, prepared.standalone, self._started(op, op.start())
+        copier = launch.copier
         if path == "copy" and copier is not None:
             launched = copier.launch(
-                prepared, request_id, plan.notify, check=c.verify_exposure, generation=generation
+                prepared,
+                request.request_id,
+                plan.notify,
+                check=self.rank.verify_exposure,
+                generation=request.generation,
             )
             if isinstance(launched, Failed):
                 self.metrics.inc("transfers_failed")
                 return _Refused(path, launched.error), plan.notify, launched.error
             return launched, plan.notify, None
-        read = self._direct(prepared, request_id, notice, generation, fingerprint)
-        return read, prepared.standalone, self._started(read, read.start())
+        read = self._direct(
+            prepared,
+            request.request_id,
+            launch.notice,
+            request.generation,
+            launch.fingerprint,
+            launch.token_hash,
+        )
+        failed = read.start()
+        return read, prepared.standalone, None if failed is None else self._started(read, failed)
 
     def _started(self, op: PathOp, failed: Failed | None) -> AkvError | None:
         """The error of a launch whose start failed (None if it started)."""
@@ -459,23 +464,18 @@ class TransferSession:
         notice: bytes,
         generation: int,
         fingerprint: int | None = None,
+        token_hash: int | None = None,
     ) -> NixlRead:
-        """The read path's op for a prepared request (not started; ``fingerprint``: the digest
-        of its prefill block ids, if computed already)."""
+        """The read path's op for a prepared request (not started; ``fingerprint`` and
+        ``token_hash``: the digest of its prefill block ids and the hash of its id, if computed
+        already)."""
         c = self.rank
+        dlists, links = self.remote.dlists, self.remote.links
         posts = [
-            ReadPost(
-                op.remote_rank,
-                self.remote.dlists[op.local_table],
-                li,
-                self.remote.dlists[op.remote_table],
-                ri,
-            )
+            ReadPost(op.remote_rank, dlists[op.local_table], li, dlists[op.remote_table], ri)
             for op, li, ri in prepared.posts
         ]
-        checks = (
-            {post.rank: self.remote.links[post.rank].check for post in posts} if c.verify_exposure else None
-        )
+        verify = c.verify_exposure
         return NixlRead(
             c.backend,
             self.poller.reaper,
@@ -484,12 +484,13 @@ class TransferSession:
             remote_ids=prepared.remote_ids,
             read_ids=prepared.read_ids,
             notice=notice,
-            checks=checks,
-            pool=c.checks if c.verify_exposure else None,
+            checks={post.rank: links[post.rank].check for post in posts} if verify else None,
+            pool=c.checks if verify else None,
             generation=generation,
             batcher=self.poller.batcher,
             count=self.metrics.inc,
             fingerprint=fingerprint,
+            token_hash=token_hash,
         )
 
     def _packed_op(

@@ -206,30 +206,34 @@ class Transfer:
     def __await__(self) -> Generator[Any, None, TransferResult]:
         return self.wait().__await__()
 
-    def finish(self, error: AkvError | None = None) -> None:
-        """Settle the transfer once (the consumer's poller calls this)."""
-        if self.done():
-            return
+    def finish(self, error: AkvError | None = None) -> TransferResult | None:
+        """Settle the transfer once (the consumer's poller calls this); returns its result
+        if this call settled it with success."""
+        if self._result is not None or self._error is not None:
+            return None
+        op = self.op
+        result = None
         if error is None:
             p = self.prepared
-            descriptors = getattr(self.op, "descriptors", None)  # a packed read's own count
-            self._result = TransferResult(
+            descriptors = getattr(op, "descriptors", None)  # a packed read's own count
+            result = self._result = TransferResult(
                 self.request_id,
                 p.bytes,
                 p.descriptors if descriptors is None else descriptors,
                 len(p.posts),
                 time.monotonic() - self.state.started,
-                self.op.path,
+                op.path,
             )
             self.state.stage = Stage.DONE
         else:
             self._error = error
             self.state.stage = Stage.FAILED
-        finished = getattr(self.op, "finished", None)  # a packed push frees its staging range
+        finished = getattr(op, "finished", None)  # a packed push frees its staging range
         if finished is not None:
             finished()
         if self._event is not None:
             self._event.set()
+        return result
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "done" if self.done() else "running"

@@ -536,7 +536,7 @@ class LocalCopy:
                 # Every rank hears the pull is over, unless the request is not exposed (yet, or
                 # any more) on one of them: an engine then pulls again once the prefill exposes
                 # it, and a notice would release that exposure unread (leases release instead).
-                live = all(exposure.live(exposure.shared_slot(b, h)) for _, b in buckets)
+                live = all(exposure.live(exposure.shared_slot(exposure.words(b), h)) for _, b in buckets)
                 return Failed(error, notify=tuple(r for r, _ in self.checks) if live else ())
         return None
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,7 +33,7 @@ from akv.backends import Backend, DlistHandle, Reaper, XferHandle
 from akv.errors import AkvError, BackPressureError, ConfigError, PeerLostError, TransferError
 from akv.metrics import no_count
 from akv.protocol.messages import merge_done_notices
-from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
+from akv.runtime.paths import Failed, Outcome, PathName, Pending
 
 __all__ = [
     "CheckBatch",
@@ -314,7 +314,7 @@ class CheckBatcher:
                 CheckBatch(tickets, self.pool, handle, error)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReadPost:
     """One READ of a request from one prefill rank: prepared lists and indices."""
 
@@ -349,6 +349,11 @@ class RankCheck:
     buckets: int
     table: npt.NDArray[np.int64] | None = None
     released: bool = False
+    words: memoryview | None = field(init=False, default=None)  # the table's (`exposure.words`)
+
+    def __post_init__(self) -> None:
+        if self.table is not None:
+            self.words = exposure.words(self.table)
 
 
 class NixlRead:
@@ -382,6 +387,7 @@ class NixlRead:
         count: Callable[[str, int], None] = no_count,
         fingerprint: int | None = None,
         notices: CheckBatcher | None = None,
+        token_hash: int | None = None,
     ) -> None:
         self.backend = backend
         self.reaper = reaper
@@ -400,24 +406,29 @@ class NixlRead:
         # where the notices of checks in shared memory wait (a batcher is falsy while empty)
         self.notices = notices if notices is not None else batcher
         self.fingerprint = fingerprint  # exposure.digest(remote_ids), if the caller has it
-        self._hash: int | None = None  # exposure.request_hash(request_id), once the checks are posted
-        self._owner: weakref.ref[object] | None = None  # see owner
-        self.checking = False
-        self._ranks = frozenset(post.rank for post in posts)
-        self._errored: XferHandle = None
-        self._aborted = False
+        self._hash = token_hash  # exposure.request_hash(request_id), if the caller has it
+        self._ranks = frozenset([post.rank for post in posts])
+        self._order = sorted(self._ranks)  # the ranks, checked in this order
         self._pending: dict[XferHandle, int] = {}
         self._slots: dict[int, int] = {}  # prefill rank -> check slot
         # prefill rank -> its slot read from the table in shared memory (None: not found)
         self._shared: dict[int, tuple[int, int, int] | None] = {}
-        self._shared_told: frozenset[int] = frozenset()  # the ranks of those whose notice was queued
         self._tickets: dict[int, CheckTicket] = {}  # prefill rank -> its check (batched)
-        self._notified: frozenset[int] = frozenset()  # see take_notified
-        self._told = False  # the notice went out (its reads are done)
-        #: seconds of its two stages, for benchmarks: from `start` until the data reads were
-        #: seen done, and from then until the exposure check was seen verified
-        self.data_s = self.check_s = 0.0
-        self._since = 0.0
+
+    # Set on the instance once they change (a pull's op is built on every pull: the class
+    # holds the starting values).
+    _owner: weakref.ref[object] | None = None  # see owner
+    checking = False
+    _errored: XferHandle = None
+    _aborted = False
+    _shared_told: frozenset[int] = frozenset()  # the ranks of those whose notice was queued
+    _notified: frozenset[int] = frozenset()  # see take_notified
+    _told = False  # the notice went out (its reads are done)
+    #: seconds of its two stages, for benchmarks: from `start` until the data reads were
+    #: seen done, and from then until the exposure check was seen verified
+    data_s = 0.0
+    check_s = 0.0
+    _since = 0.0
 
     @property
     def owner(self) -> object:
@@ -455,48 +466,55 @@ class NixlRead:
         """Post the data reads; on failure nothing stays posted."""
         self._since = time.perf_counter()
         notice = b"" if self.checks is not None else self.notice
+        backend, pending = self.backend, self._pending
         for post in self.posts:
             try:
-                handle = post.post(self.backend, notice)
+                handle = post.post(backend, notice)
             except TransferError as exc:
+                if pending:
+                    self.count("xfers_data", len(pending))
                 self.abort()
                 return Failed(exc, post.rank)
-            self.count("xfers_data", 1)
-            self._pending[handle] = post.rank
+            pending[handle] = post.rank
+        self.count("xfers_data", len(pending))
         return None
 
     def poll(self) -> Outcome:
         """Poll the reads in flight; post the checks once the data is in; verify them."""
         changed = False
-        for handle, rank in list(self._pending.items()):
-            try:
-                done = self.backend.state(handle) == "DONE"
-            except TransferError as exc:
-                self._errored = handle  # finished, in error: nothing more of it lands
-                return Failed(exc, rank)
-            if done:
-                del self._pending[handle]
-                self.reaper.drop(handle, done=True)
-                changed = True
-        if self._pending:
-            return Pending(changed)
+        pending = self._pending
+        if pending:
+            xfer_state = self.backend.state
+            for handle, rank in list(pending.items()):
+                try:
+                    done = xfer_state(handle) == "DONE"
+                except TransferError as exc:
+                    self._errored = handle  # finished, in error: nothing more of it lands
+                    return Failed(exc, rank)
+                if done:
+                    del pending[handle]
+                    self.reaper.drop(handle, done=True)
+                    changed = True
+            if pending:
+                return Pending(changed)
         if not self.checking:
-            self._settle()
-        if self.checks is None:
-            self._sent(self._ranks)
-            self._forget()
-            return None
-        if not self.checking:
+            if self.on_settled is not None:
+                self._settle()
+            if self.checks is None:
+                self._sent(self._ranks)
+                self._forget()
+                return None
             self.checking = True
             now = time.perf_counter()
             self.data_s, self._since = now - self._since, now
             failed = self._post_checks()
             if failed is not None:
                 return failed
-            if self._pending or not self._tickets:  # posted at once (often done already), or none
+            if self._pending:  # check READs posted at once (often done already)
                 return self.poll()
-            return Pending(True)  # every check waits for the batcher's next post
-        if self._tickets:
+            if self._tickets:
+                return Pending(True)  # every check waits for the batcher's next post
+        elif self._tickets:
             landed = True
             for rank, ticket in self._tickets.items():
                 state = ticket.poll()
@@ -506,12 +524,13 @@ class NixlRead:
             if not landed:
                 return Pending(changed)
             self._tickets.clear()  # the batch is done with them: the slots are this op's again
-        self._sent(frozenset(self._slots).union(self._shared_told))
+        self._sent(frozenset(self._slots).union(self._shared_told) if self._slots else self._shared_told)
         error = self._verify()
         if error is not None:
             return Failed(error)
         self.check_s = time.perf_counter() - self._since
-        self._free_slots()
+        if self._slots:
+            self._free_slots()
         self._forget()
         return None
 
@@ -525,18 +544,21 @@ class NixlRead:
         checks, pool = self.checks, self.pool
         if checks is None or pool is None:  # no exposure check: nothing to post
             return None
-        h = self._hash = exposure.request_hash(self.request_id)
+        h = self._hash
+        if h is None:
+            h = self._hash = exposure.request_hash(self.request_id)
         shared: list[RankCheck] = []  # checks made in shared memory: notices queued at the end
-        for rank in sorted(self._ranks):
+        live = True
+        for rank in self._order:
             check = checks.get(rank)
-            if check is None:  # the rank was re-linked (or lost) since the data reads
+            if check is None or check.released:  # the rank was re-linked (or lost) since the data reads
                 return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
             bucket = h % check.buckets
-            if check.table is not None:  # on this host: memory loads, now that the data is in
-                if check.released:  # the rank was unlinked since the data reads
-                    return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
-                self._shared[rank] = exposure.shared_slot(check.table[bucket], h)
-                self.count("checks_shared", 1)
+            if check.words is not None:  # on this host: memory loads, now that the data is in
+                found = self._shared[rank] = exposure.shared_slot(
+                    check.words, h, bucket * exposure.BUCKET_WORDS
+                )
+                live = live and found is not None and (found[0] & 0xFFFF) in exposure.LIVE
                 shared.append(check)
                 continue
             try:
@@ -561,12 +583,15 @@ class NixlRead:
                 return Failed(exc, rank)
             self.count("xfers_check", 1)
             self._pending[handle] = rank
-        if not all(exposure.live(found) for found in self._shared.values()):
+        if not shared:
+            return None
+        self.count("checks_shared", len(shared))
+        if not live:
             # Not exposed (yet, or any more) on some rank: the pull fails, and an engine pulls
             # again once the prefill exposes it. A notice reaching a rank after that exposure
             # would release it unread: the ranks release by lease instead.
-            shared = []
-        self._shared_told = frozenset(self._shared) if shared else frozenset()
+            return None
+        self._shared_told = frozenset(self._shared)
         for check in shared:  # every rank's check is under way: the notices may leave
             if self.notices is not None:
                 self.notices.notify(self.backend, self.reaper, check, self.notice, self.count)
@@ -575,22 +600,25 @@ class NixlRead:
         return None
 
     def _verify(self) -> TransferError | None:
-        pool = self.pool
-        if pool is None:
+        if self.pool is None:
             return None
-        buckets: list[tuple[int, Any]] = [(rank, pool.array[slot]) for rank, slot in self._slots.items()]
-        if self._shared:
-            buckets += self._shared.items()
-        return unsafe(
-            buckets,
-            self.request_id,
-            self.remote_ids,
-            self.read_ids,
-            self.generation,
-            self.packed,
-            token_hash=self._hash,
-            fingerprint=self.fingerprint,
-        )
+        array = self.pool.array
+        gens = self.generation
+        for rank, found in (*((r, array[slot]) for r, slot in self._slots.items()), *self._shared.items()):
+            error = exposure.verify(
+                found,
+                self.request_id,
+                self.remote_ids,
+                prefill_rank=rank,
+                read_ids=self.read_ids,
+                generation=gens if isinstance(gens, int) else gens.get(rank, 0),
+                packed=self.packed,
+                token_hash=self._hash,
+                fingerprint=self.fingerprint,
+            )
+            if error is not None:
+                return error
+        return None
 
     def _free_slots(self) -> None:
         if self.pool is not None:
