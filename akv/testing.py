@@ -44,6 +44,7 @@ __all__ = [
     "spawn_prefill",
     "spawn_registrant",
     "spec_argv",
+    "stop_prefill",
     "verify_request",
 ]
 
@@ -416,6 +417,27 @@ def spawn_prefill(*argv: str, env: dict[str, str] | None = None) -> tuple[subpro
     if proc.stdout is not None:
         proc.stdout.close()
     raise AkvError(f"akv prefill exited ({code}) before it was ready: {' '.join(cmd)}")
+
+
+def stop_prefill(proc: subprocess.Popen[str], timeout: float = 10.0) -> dict[str, Any] | None:
+    """Stop an ``akv prefill`` process started by `spawn_prefill` (SIGTERM) and return its
+    summary (None if it printed none).
+
+    Its stdout is read to the end meanwhile: the summary is one JSON line that lists request
+    ids, which outgrows a pipe's buffer once a few thousand requests were released, and a
+    process writing it would block until someone reads. A process still running after
+    ``timeout`` seconds is killed."""
+    proc.terminate()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    summary = None
+    for msg in json_lines((out or "").splitlines()):
+        if msg.get("event") == "summary":
+            summary = msg
+    return summary
 
 
 async def fetch_requests(

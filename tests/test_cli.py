@@ -252,3 +252,34 @@ def test_bench_plot_without_matplotlib_fails_before_running(tmp_path: object) ->
     ]
     assert time.monotonic() - started < 20  # no workload ran (the quick bench takes longer)
     assert proc.stdout == ""
+
+
+def test_a_prefill_summary_longer_than_a_pipe_holds_is_read_when_the_prefill_is_stopped(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`stop_prefill` (what `akv bench` stops its prefill with) reads the summary while the
+    process writes it: with 1,200 long request ids released (here by lease) the summary line
+    is over 64 KiB, more than a pipe holds, and a prefill writing it into a pipe no one read
+    blocked until `akv bench` gave up waiting for it."""
+    from akv.protocol.messages import RequestInfo
+    from akv.testing import json_lines, save_requests, spawn_prefill, stop_prefill
+
+    n = 1200
+    ids = [f"a-request-whose-id-is-long-enough-to-fill-a-pipe-{i:05d}" for i in range(n)]
+    save_requests(
+        str(tmp_path / "requests.json"), [RequestInfo(request_id=r, block_ids=[i]) for i, r in enumerate(ids)]
+    )
+    model = ["--layers", "1", "--blocks", str(n), "--block-size", "1", "--head-dim", "8", "--kv-heads", "1"]
+    proc, _ = spawn_prefill(
+        *("--requests-file", str(tmp_path / "requests.json"), "--tp-size", "1"),
+        *("--requests", "1", "--blocks-per-request", "1", "--hold", "--no-fill"),
+        *("--lease", "0.5", "--timeout", "60", "--dtype", "float16", *model),
+    )
+    assert proc.stdout is not None
+    for msg in json_lines(proc.stdout):  # every request released by lease: the rank holds on
+        if msg.get("event") == "released":
+            break
+    started = time.monotonic()
+    summary = stop_prefill(proc, timeout=30)
+    assert proc.returncode is not None and time.monotonic() - started < 25
+    assert summary is not None and summary["expired"] == n
+    assert sorted(summary["expired_ids"]) == sorted(ids)
+    assert len(json.dumps(summary, separators=(",", ":"))) > 64 << 10

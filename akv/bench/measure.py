@@ -19,7 +19,7 @@ import numpy as np
 from akv.bench.methods import Methods, cuda_count
 from akv.bench.workloads import SAME_PROCESS, Figures, Workload, ids_json, pick_requests, specs
 from akv.protocol.messages import RequestInfo
-from akv.testing import save_requests
+from akv.testing import save_requests, stop_prefill
 
 __all__ = ["PACK_POOL_MIB", "bench_workload", "same_process"]
 
@@ -144,10 +144,7 @@ async def bench_workload(
                 fig.pack_ms = _pack_cost(w, prefill_spec, reqs, device)
             return fig
         finally:
-            proc.terminate()
-            proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+            stop_prefill(proc)  # reads its summary, which can outgrow the pipe
 
 
 async def _measure(
