@@ -425,8 +425,12 @@ def stop_prefill(proc: subprocess.Popen[str], timeout: float = 10.0) -> dict[str
 
     Its stdout is read to the end meanwhile: the summary is one JSON line that lists request
     ids, which outgrows a pipe's buffer once a few thousand requests were released, and a
-    process writing it would block until someone reads. A process still running after
-    ``timeout`` seconds is killed."""
+    process writing it would block until someone reads.
+
+    Args:
+        proc: the process, as `spawn_prefill` returned it.
+        timeout: seconds it may take to exit; then it is killed.
+    """
     proc.terminate()
     try:
         out, _ = proc.communicate(timeout=timeout)
