@@ -71,8 +71,7 @@ class Backoff:
 
     def wake(self) -> None:
         """New work arrived: end the current sleep and spin again."""
-        self._last = time.monotonic()
-        self._delay = 0.0
+        self.progressed()
         self._event.set()
 
     async def wait(self, busy: bool, limit: float | None = None) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -254,7 +255,9 @@ def test_bench_plot_without_matplotlib_fails_before_running(tmp_path: object) ->
     assert proc.stdout == ""
 
 
-def test_a_prefill_summary_longer_than_a_pipe_holds_is_read_when_the_prefill_is_stopped(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_prefill_summary_longer_than_a_pipe_holds_is_read_when_the_prefill_is_stopped(
+    tmp_path: Path,
+) -> None:
     """`stop_prefill` (what `akv bench` stops its prefill with) reads the summary while the
     process writes it: with 1,200 long request ids released (here by lease) the summary line
     is over 64 KiB, more than a pipe holds, and a prefill writing it into a pipe no one read

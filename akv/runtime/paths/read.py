@@ -33,7 +33,7 @@ from akv.backends import Backend, DlistHandle, Reaper, XferHandle
 from akv.errors import AkvError, BackPressureError, ConfigError, PeerLostError, TransferError
 from akv.metrics import no_count
 from akv.protocol.messages import merge_done_notices
-from akv.runtime.paths import Failed, Outcome, PathName, Pending
+from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
 
 __all__ = [
     "CheckBatch",
@@ -558,7 +558,7 @@ class NixlRead:
                 found = self._shared[rank] = exposure.shared_slot(
                     check.words, h, bucket * exposure.BUCKET_WORDS
                 )
-                live = live and found is not None and (found[0] & 0xFFFF) in exposure.LIVE
+                live = live and exposure.live(found)
                 shared.append(check)
                 continue
             try:
@@ -600,25 +600,25 @@ class NixlRead:
         return None
 
     def _verify(self) -> TransferError | None:
-        if self.pool is None:
+        pool = self.pool
+        if pool is None:
             return None
-        array = self.pool.array
-        gens = self.generation
-        for rank, found in (*((r, array[slot]) for r, slot in self._slots.items()), *self._shared.items()):
-            error = exposure.verify(
-                found,
-                self.request_id,
-                self.remote_ids,
-                prefill_rank=rank,
-                read_ids=self.read_ids,
-                generation=gens if isinstance(gens, int) else gens.get(rank, 0),
-                packed=self.packed,
-                token_hash=self._hash,
-                fingerprint=self.fingerprint,
-            )
-            if error is not None:
-                return error
-        return None
+        slots = self._slots
+        buckets: Any = (
+            (*((rank, pool.array[slot]) for rank, slot in slots.items()), *self._shared.items())
+            if slots
+            else self._shared.items()
+        )
+        return unsafe(
+            buckets,
+            self.request_id,
+            self.remote_ids,
+            self.read_ids,
+            self.generation,
+            self.packed,
+            token_hash=self._hash,
+            fingerprint=self.fingerprint,
+        )
 
     def _free_slots(self) -> None:
         if self.pool is not None:
