@@ -35,7 +35,7 @@ from akv.errors import AkvError, BackendError, ConfigError, PeerLostError, Trans
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ERROR_TABLE", "NixlBackend", "map_exceptions", "nixl_version"]
+__all__ = ["ERROR_TABLE", "SPLIT_DESCS", "NixlBackend", "map_exceptions", "nixl_version"]
 
 _nixl_lock = threading.Lock()
 _logs_moved = False
@@ -85,6 +85,11 @@ ERROR_TABLE: dict[str, type[AkvError]] = {
     "nixlNotSupportedError": BackendError,
 }
 
+
+#: With worker threads (``num_threads``), the fewest descriptors a transfer or each of its runs
+#: has for NIXL to split it across the threads (NIXL's ``split_batch_size``; its own default,
+#: 1,024, leaves a per-layer pull of a few dozen large descriptors on one thread).
+SPLIT_DESCS = 8
 
 F = TypeVar("F", bound=Callable[..., Any])
 #: Agent calls that are no-ops on a closed agent (everything they would undo is gone).
@@ -161,7 +166,10 @@ class NixlBackend:
     ``cuda_device``: the GPU whose VRAM this agent registers. Every call on the agent then
     runs with that device current in the calling thread (event loop or worker thread), since
     UCX may not pick cuda_ipc for a peer otherwise. ``num_threads``: the NIXL agent's worker
-    threads for posting (0: NIXL's default, none; docs/gpu.md).
+    threads, each with a UCX worker of its own (0: NIXL's default, none; docs/gpu.md). A
+    transfer of at least `SPLIT_DESCS` descriptors is then split across them in equal runs of
+    at least `SPLIT_DESCS`: over CUDA IPC each UCX worker copies on its own CUDA stream, so
+    the runs' copies overlap instead of queueing on one stream per peer GPU.
     """
 
     def __init__(
@@ -183,9 +191,13 @@ class NixlBackend:
                 enable_prog_thread=progress_thread,
                 capture_telemetry=telemetry,
                 sync_mode=sync,
-                num_threads=num_threads,
+                backends=[] if num_threads else ["UCX"],
             )
             self._agent = api.nixl_agent(name, config)
+            if num_threads:  # the UCX backend with worker threads, splitting from SPLIT_DESCS on
+                self._agent.create_backend(
+                    "UCX", {"num_threads": str(num_threads), "split_batch_size": str(SPLIT_DESCS)}
+                )
         if "UCX" not in self._agent.backends:
             raise BackendError("the NIXL UCX backend is not available in this installation")
         self.name = name

@@ -95,6 +95,14 @@ def add_bench_parser(sub: Any) -> None:
         "request; with --mode push, the pushes write packed copies too) or auto's choice per "
         "pull (default: %(default)s)",
     )
+    p.add_argument(
+        "--nixl-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="worker threads of the decode ranks' NIXL agents (nixl_threads; docs/gpu.md): a "
+        "transfer of 8 or more descriptors is split across them (default: %(default)s, none)",
+    )
     add_mode_flags(p, layers=True)
 
     def run(a: argparse.Namespace) -> int:
@@ -115,6 +123,7 @@ def add_bench_parser(sub: Any) -> None:
             f"--only {a.only}: unknown workloads {sorted(set(only) - known)} (known: {', '.join(sorted(known))})",
         )
         check(a.mode == "push" or "layerwise" not in only, "--only layerwise needs --mode push")
+        check(a.nixl_threads >= 0, f"--nixl-threads {a.nixl_threads}: give 0 (none) or more threads")
         check(
             "etcd" not in only or etcd_binary() is not None,
             "--only etcd needs an etcd binary: bash scripts/setup.sh installs Debian's etcd-server "
@@ -171,6 +180,7 @@ def add_bench_parser(sub: Any) -> None:
             a.layer_ms,
             only,
             a.transfer,
+            a.nixl_threads,
         )
         bar.close()
         summary["seconds"] = round(time.monotonic() - started, 1)

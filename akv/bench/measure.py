@@ -121,8 +121,10 @@ async def bench_workload(
     device: str = "cpu",
     mode: str = "pull",
     transfer: str = "direct",
+    nixl_threads: int = 0,
 ) -> Figures:
-    """Start the workload's prefill engine and measure every method against it."""
+    """Start the workload's prefill engine and measure every method against it (the decode
+    ranks' NIXL agents with ``nixl_threads`` worker threads)."""
     prefill_spec, spec = specs(w, layers)
     rng = np.random.default_rng(7)
     reqs = pick_requests(w, prefill_spec, spec, rng)
@@ -139,7 +141,9 @@ async def bench_workload(
         pool = _pack_mib(w, prefill_spec, [remote for _, _, remote in reqs]) if transfer != "direct" else 1
         proc, endpoint = _start_prefill(w, prefill_spec, f"{tmp}/requests.json", device, transfer, pool)
         try:
-            fig = await _measure(w, prefill_spec, spec, reqs, endpoint, progress, device, mode, transfer)
+            fig = await _measure(
+                w, prefill_spec, spec, reqs, endpoint, progress, device, mode, transfer, nixl_threads
+            )
             if transfer != "direct":
                 fig.pack_ms = _pack_cost(w, prefill_spec, reqs, device)
             return fig
@@ -157,6 +161,7 @@ async def _measure(
     device: str = "cpu",
     mode: str = "pull",
     transfer: str = "direct",
+    nixl_threads: int = 0,
 ) -> Figures:
     """Every method on the workload's requests, read from the prefill at ``endpoint`` (``mode``
     "push": and akv in push mode, the prefill writing)."""
@@ -184,6 +189,7 @@ async def _measure(
                         f"bench-d{d}{tag}-{os.getpid()}-{w.name}",
                         telemetry=True,
                         cuda_device=int(dev.split(":")[1]) if dev.startswith("cuda") else None,
+                        num_threads=nixl_threads,
                     ),
                 )
                 group.append(await stack.enter_async_context(c))
@@ -201,6 +207,7 @@ async def _measure(
                 backend=NixlBackend(
                     f"bench-d{d}p-{os.getpid()}-{w.name}",
                     cuda_device=int(dev.split(":")[1]) if dev.startswith("cuda") else None,
+                    num_threads=nixl_threads,
                 ),
             )
             pushing.append(await stack.enter_async_context(c))

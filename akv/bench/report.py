@@ -73,9 +73,13 @@ def row(f: Figures) -> dict[str, Any]:
         "p99_ms": round(float(np.percentile(f.latency_ms, 99)), 3),
         "unchecked_gbps": round(f.gbps["akv_unchecked"], 3),
         "unchecked_p50_ms": round(float(np.percentile(f.latency_unchecked_ms, 50)), 3),
+        "unchecked_p99_ms": round(float(np.percentile(f.latency_unchecked_ms, 99)), 3),
         "check_cost": round(f.gbps["akv_unchecked"] / f.gbps["akv"], 3),
         **(
-            {"nixl_p50_ms": round(float(np.percentile(f.latency_nixl_ms, 50)), 3)}
+            {
+                "nixl_p50_ms": round(float(np.percentile(f.latency_nixl_ms, 50)), 3),
+                "nixl_p99_ms": round(float(np.percentile(f.latency_nixl_ms, 99)), 3),
+            }
             if f.latency_nixl_ms
             else {}
         ),

@@ -39,6 +39,7 @@ async def run_bench(
     layer_ms: float = 0.0,
     only: Sequence[str] = (),
     transfer: str = "direct",
+    nixl_threads: int = 0,
 ) -> dict[str, Any]:
     """Run every workload (or, with ``preset``, that model's), the same-process workload and
     the poller and table figures; returns the JSON summary. ``device``: cpu, cuda or cuda:N
@@ -47,7 +48,8 @@ async def run_bench(
     ``only``: just these workloads (``layerwise`` and ``same_process`` among them), and the
     figure programs named there (`akv.bench.figures.PROGRAMS`, run only when named), no
     other figures. ``transfer``: the decode side's choice of copy (the prefill packs unless it is
-    ``"direct"``)."""
+    ``"direct"``). ``nixl_threads``: worker threads of the decode ranks' NIXL agents (the
+    library's ``nixl_threads``)."""
     layers = 8 if quick else 16
     if hf_config:
         workloads, pairs = preset_workloads(config_name(hf_config), hf_config)
@@ -59,7 +61,7 @@ async def run_bench(
     for w in workloads:
         if not quick:
             w = replace(w, requests=w.requests * 4)
-        figures.append(await bench_workload(w, layers, progress, device, mode, transfer))
+        figures.append(await bench_workload(w, layers, progress, device, mode, transfer, nixl_threads))
     lw: list[dict[str, Any]] = []
     if mode == "push" and (not only or "layerwise" in only):
         from akv.bench.push import layerwise
@@ -79,6 +81,7 @@ async def run_bench(
             "device": device,
             "mode": "quick" if quick else "full",
             "transfer": transfer,
+            "nixl_threads": nixl_threads,
         }
     same = await same_process(layers, device, progress)
     progress("poller")
@@ -102,4 +105,5 @@ async def run_bench(
         "device": device,
         "mode": "quick" if quick else "full",
         "transfer": transfer,
+        "nixl_threads": nixl_threads,
     }
