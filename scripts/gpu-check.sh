@@ -223,13 +223,14 @@ for name, rc, seconds in steps:
         ops = " ".join(f"{k}={v:g}" for k, v in (w.get("control_ops") or {}).items() if v)
         push_ops = " ".join(f"{k}={v:g}" for k, v in (w.get("push_control_ops") or {}).items() if v)
         ops += f"; push: {push_ops}" if push_ops else ""
-        stages = " ".join(f"{k[:-3]}={w[k]:g}" for k in ("pack_ms", "lookup_ms", "read_ms", "unpack_ms", "data_ms", "check_ms") if isinstance(w.get(k), (int, float)))
+        stages = " ".join(f"{k[:-3]}={w[k]:g}" for k in ("pack_ms", "lookup_ms", "read_ms", "unpack_ms", "data_ms", "data_p50_ms", "data_p99_ms", "check_ms") if isinstance(w.get(k), (int, float)))
         paths = " ".join(f"{k}={v}" for k, v in (w.get("paths") or {}).items())
         rows.append([name, w.get("name", ""), w.get("tp", ""), f"{w.get('bytes', 0) / (1 << 20):.1f}",
                      w.get("akv_gbps", ""), w.get("unchecked_gbps", ""), w.get("nixl_gbps", ""),
                      w.get("nixl_write_gbps", ""), w.get("push_gbps", ""), w.get("p50_ms", ""),
-                     w.get("nixl_p50_ms", ""), ops, stages, paths])
-head = ["step", "workload", "tp", "MiB", "akv GB/s", "unchecked", "NIXL READ", "NIXL WRITE", "push", "p50 ms", "NIXL p50 ms", "control ops per pull", "stages, ms per pull", "pulls by path"]
+                     w.get("nixl_p50_ms", ""), w.get("p99_ms", ""), w.get("unchecked_p99_ms", ""),
+                     w.get("nixl_p99_ms", ""), ops, stages, paths])
+head = ["step", "workload", "tp", "MiB", "akv GB/s", "unchecked", "NIXL READ", "NIXL WRITE", "push", "p50 ms", "NIXL p50 ms", "p99 ms", "unchecked p99 ms", "NIXL p99 ms", "control ops per pull", "stages, ms per pull", "pulls by path"]
 lines = ["# akv GPU check", ""]
 try:
     env = json.load(open(f"{out}/env.json"))

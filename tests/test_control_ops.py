@@ -235,11 +235,12 @@ async def test_a_push_costs_one_announcement_and_one_pushed_notice_per_writer(p:
 
 
 def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
-    """`akv bench --only latency --mode push` reports, for one-block pulls, akv's p50 beside the
-    hand-written loop's (``nixl_p50_ms``), and per pull one data READ, no check READ (the
-    prefill runs on this host: checks are memory loads), at most one background READ carrying
-    notices and one behind them (``control_ops``: pulls in a row share them), and for pushed
-    pulls one announcement and one notice (``push_control_ops``)."""
+    """`akv bench --only latency --mode push` reports, for one-block pulls, akv's p50 and p99
+    beside the hand-written loop's (``nixl_p50_ms``, ``nixl_p99_ms``) and those of its data
+    stage, and per pull one data READ, no check READ (the prefill runs on this host: checks are
+    memory loads), at most one background READ carrying notices and one behind them
+    (``control_ops``: pulls in a row share them), and for pushed pulls one announcement and
+    one notice (``push_control_ops``)."""
     proc = subprocess.run(
         [sys.executable, "-m", "akv", "bench", "--quick", "--only", "latency", "--mode", "push", "--json"],
         capture_output=True,
@@ -250,6 +251,10 @@ def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
     (w,) = json.loads(proc.stdout.splitlines()[-1])["workloads"]
     assert w["name"] == "latency" and w["tp"] == "1->1" and w["paths"] == {"read": 64}
     assert w["p50_ms"] > 0 and w["nixl_p50_ms"] > 0
+    # the tails beside each other, and the data stage's (a part of each pull's time)
+    assert w["p99_ms"] >= w["p50_ms"] and w["nixl_p99_ms"] >= w["nixl_p50_ms"]
+    assert w["unchecked_p99_ms"] >= w["unchecked_p50_ms"]
+    assert 0 < w["data_p50_ms"] <= w["data_p99_ms"] <= w["p99_ms"]
     assert w["data_xfers"] == 1
     zero = dict.fromkeys(CONTROL_OPS, 0)
     ops = w["control_ops"]

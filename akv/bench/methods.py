@@ -131,6 +131,7 @@ class Methods:
                     read = getattr(t.op, "fallback", None) or t.op
                     if isinstance(read, NixlRead):
                         self.fig.data_s += read.data_s
+                        self.fig.data_ms.append(read.data_s * 1e3)
                         self.fig.check_s += read.check_s
                         self.fig.direct += 1
         seconds = time.perf_counter() - t0

@@ -21,12 +21,16 @@ def _transfer_columns(f: Figures) -> dict[str, Any]:
     ``pack_ms`` the gather (prefill side, per request); the three stages of a packed pull,
     per packed pull: ``lookup_ms`` (the directory lookup), ``read_ms`` (the reads and the
     exposure check), ``unpack_ms`` (the scatter); per pull read directly, ``data_ms`` (from
-    posting its data reads until they were seen done) and ``check_ms`` (from then until its
-    exposure check was seen verified)."""
+    posting its data reads until they were seen done; ``data_p50_ms`` and ``data_p99_ms``,
+    its percentiles: a slow tail there is in the reads or in seeing them done, not in akv's
+    work around them) and ``check_ms`` (from then until its exposure check was seen
+    verified)."""
     stages = {}
     if f.direct:  # where a direct pull's time goes: its data reads, then its exposure check
         stages = {
             "data_ms": round(1e3 * f.data_s / f.direct, 3),
+            "data_p50_ms": round(float(np.percentile(f.data_ms, 50)), 3),
+            "data_p99_ms": round(float(np.percentile(f.data_ms, 99)), 3),
             "check_ms": round(1e3 * f.check_s / f.direct, 3),
         }
     if f.transfer == "direct":

@@ -207,6 +207,7 @@ class Figures:
     data_s: float = 0.0  # decode side: data reads of direct pulls, until seen done, summed
     check_s: float = 0.0  # decode side: exposure checks of direct pulls, until seen verified, summed
     direct: int = 0  # direct pulls timed by stage
+    data_ms: list[float] = field(default_factory=list)  # each direct pull's data reads, in ms
     paths: dict[str, int] = field(default_factory=dict)
 
 
