@@ -288,11 +288,19 @@ async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(tra
                     consumer.metrics.snapshot().counters.get(flush_reads, 0) < 1 or consumer.reaper.background
                 ):
                     await anyio.sleep(0.02)
+            before = dict(consumer.metrics.snapshot().counters)
             proc.send_signal(signal.SIGSTOP)
             try:
                 started = time.monotonic()
-                with anyio.fail_after(10):
-                    result = await (await session.pull(second.request_id, [4, 5, 6, 7], second.block_ids))
+                try:
+                    with anyio.fail_after(10):
+                        result = await (await session.pull(second.request_id, [4, 5, 6, 7], second.block_ids))
+                except TimeoutError:  # say what the pull did meanwhile (a rare failure under CI load)
+                    after = consumer.metrics.snapshot().counters
+                    spent = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+                    raise AssertionError(
+                        f"the pull waited on the stopped prefill; counters moved: {spent}"
+                    ) from None
                 took = time.monotonic() - started
                 assert result.path == ("packed" if transfer == "packed" else "read")
                 assert verify(consumer, [4, 5, 6, 7], second.seed, range(4))
