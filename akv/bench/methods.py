@@ -130,10 +130,8 @@ class Methods:
                 elif res.path == "read":  # a direct read, or a packed pull's fallback to one
                     read = getattr(t.op, "fallback", None) or t.op
                     if isinstance(read, NixlRead):
-                        self.fig.data_s += read.data_s
                         self.fig.data_ms.append(read.data_s * 1e3)
                         self.fig.check_s += read.check_s
-                        self.fig.direct += 1
         seconds = time.perf_counter() - t0
         if record:
             latency.extend([seconds * 1e3] * len(batch))

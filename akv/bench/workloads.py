@@ -204,10 +204,8 @@ class Figures:
     unpack_s: float = 0.0  # decode side: scatters of packed pulls, summed
     lookup_s: float = 0.0  # decode side: directory lookups of packed pulls, summed
     read_s: float = 0.0  # decode side: reads (and exposure checks) of packed pulls, summed
-    data_s: float = 0.0  # decode side: data reads of direct pulls, until seen done, summed
     check_s: float = 0.0  # decode side: exposure checks of direct pulls, until seen verified, summed
-    direct: int = 0  # direct pulls timed by stage
-    data_ms: list[float] = field(default_factory=list)  # each direct pull's data reads, in ms
+    data_ms: list[float] = field(default_factory=list)  # each direct pull's data reads, until seen done
     paths: dict[str, int] = field(default_factory=dict)
 
 
