@@ -263,16 +263,30 @@ def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
     assert w["push_control_ops"] == {**zero, "push_announces": 1, "push_notices": 1}
 
 
+#: UCX's keepalive off, for the test below and its prefill process (see its docstring).
+NO_KEEPALIVE = {"UCX_KEEPALIVE_INTERVAL": "inf"}
+
+
 @pytest.mark.parametrize("transfer", ["direct", "packed"])
-async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(transfer: str) -> None:
+async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(
+    transfer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A checked pull (direct, or packed with its directory lookup) needs nothing from the
     prefill rank's poller on its way to completion: its bytes, directory and exposure check
     are one-sided READs or memory loads (`akv.shm`), and its "done" notice rides a READ, so it completes,
     bit-exact, while the prefill process is stopped; once it runs again it gets the notice and
     releases the request once, by read. (A hop through the prefill's poller would be a sleep
-    of that poller on every pull's critical path.)"""
+    of that poller on every pull's critical path.)
+
+    UCX's keepalive is off here (``UCX_KEEPALIVE_INTERVAL=inf``): its first round sends a
+    check message over the TCP lane at a moment of its own choosing after the link is made
+    (then one every 20 s), and over TCP the READ after any message waits for the peer to
+    acknowledge it (docs/performance.md, "UCX's keepalive"); with it on, about one second
+    pull in fifteen waited for the stopped prefill."""
+    for key, value in NO_KEEPALIVE.items():
+        monkeypatch.setenv(key, value)  # the decode agent below reads it when it is made
     extra = ["--transfer", "packed"] if transfer == "packed" else []
-    with prefill_process(1, 4, "--lease", "30", *extra, requests=2) as (proc, endpoint):
+    with prefill_process(1, 4, "--lease", "30", *extra, requests=2, env=NO_KEEPALIVE) as (proc, endpoint):
         spec = cli_spec("--kv-heads", "4", *MODEL)
         reqs = await fetch_requests(endpoint, spec, None, "t")
         kw: dict[str, Any] = {"transfer": "packed"} if transfer == "packed" else {}
