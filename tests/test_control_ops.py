@@ -234,6 +234,33 @@ async def test_a_push_costs_one_announcement_and_one_pushed_notice_per_writer(p:
         assert counters["pushes"] == PULLS
 
 
+@pytest.mark.parametrize("path", ["read", "packed"])
+async def test_a_closed_consumer_lets_go_of_its_nixl_agent_at_once(path: str) -> None:
+    """Closing a consumer destroys its NIXL agent (its UCX workers, sockets and registrations)
+    at once, without a pass of the garbage collector, after checked pulls left prepared lists
+    and handles of it around (the check and directory slots, the local lists, the reaper's
+    background READs): nothing the closed rank's objects hold keeps it alive."""
+    import gc
+
+    consumer_kw = {**ON_PATH[path], "check_with": "read"}
+    reqs = make_requests(SPEC, 2, 2, seed=6)
+    async with prefill_engine(SPEC, 2, **({"transfer": "packed"} if path == "packed" else {})) as engine:
+        engine.expose_requests(reqs)
+        gc.collect()
+        gc.disable()
+        try:
+            async with one_rank_consumer(**consumer_kw) as c:
+                backend = c.backend
+                session = await c.connect(engine.endpoint)
+                for n, req in enumerate(reqs):
+                    result = await (await session.pull(pull_request(req, local_ids(SPEC, n, req.num_tokens))))
+                    assert result.path == path
+            assert backend.closed
+            assert backend.destroyed
+        finally:
+            gc.enable()
+
+
 def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
     """`akv bench --only latency --mode push` reports, for one-block pulls, akv's p50 and p99
     beside the hand-written loop's (``nixl_p50_ms``, ``nixl_p99_ms``) and those of its data

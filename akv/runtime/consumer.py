@@ -298,6 +298,18 @@ class Consumer(RankBase):
         finally:
             self._poller.closed = True  # a pull still settling returns, whatever happened here
 
+    def _close_backend(self) -> None:
+        """Close the agent, then drop the prepared lists and handles of it that this rank's
+        objects still hold: they keep NIXL's native agent (its UCX workers, sockets and
+        registrations) alive, and the rank's objects reference each other, so without this
+        the agent would go only when the garbage collector next runs."""
+        super()._close_backend()
+        self.checks.dlist = None
+        if self.directories is not None:
+            self.directories.dlist = None
+        self._local_dlists.clear()
+        self._poller.release_agent()
+
     def _settle_all(self) -> None:
         backend = self.backend_or_none
         poller = self._poller

@@ -174,6 +174,12 @@ class PullPoller:
         self._grants.clear()
         self.finish_settled(everything=True)
 
+    def release_agent(self) -> None:
+        """The rank's agent was closed (nothing it started can land): drop the handles of it
+        still held, so that nothing here keeps it alive."""
+        if self._reaper is not None:
+            self._reaper.abandon()
+
     async def send_notices(self) -> None:
         """Closing (the rank, or a session before it unlinks): post the "done" notices still
         queued (of checks made in shared memory, which no pull waited for) and wait, up to
