@@ -308,8 +308,8 @@ async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(
     UCX's keepalive is off here (``UCX_KEEPALIVE_INTERVAL=inf``): its first round sends a
     check message over the TCP lane at a moment of its own choosing after the link is made
     (then one every 20 s), and over TCP the READ after any message waits for the peer to
-    acknowledge it (docs/performance.md, "UCX's keepalive"); with it on, about one second
-    pull in fifteen waited for the stopped prefill."""
+    acknowledge it (docs/performance.md, "UCX's keepalive"); with it on, 5 of 120 second
+    pulls waited for the stopped prefill (tests/diagnostics/ucx_keepalive_stall.py)."""
     for key, value in NO_KEEPALIVE.items():
         monkeypatch.setenv(key, value)  # the decode agent below reads it when it is made
     extra = ["--transfer", "packed"] if transfer == "packed" else []
@@ -336,7 +336,7 @@ async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(
                 try:
                     with anyio.fail_after(10):
                         result = await (await session.pull(second.request_id, [4, 5, 6, 7], second.block_ids))
-                except TimeoutError:  # say what the pull did meanwhile (a rare failure under CI load)
+                except TimeoutError:  # say what the pull did meanwhile (which step waited)
                     after = consumer.metrics.snapshot().counters
                     spent = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
                     raise AssertionError(
