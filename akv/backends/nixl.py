@@ -504,7 +504,7 @@ class NixlBackend:
 
     @property
     def closed(self) -> bool:
-        """True once [`close`][akv.testing.ProgressBar.close] ran."""
+        """True once [`close`][akv.backends.nixl.NixlBackend.close] ran."""
         return self._closed
 
     @on_device

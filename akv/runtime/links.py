@@ -436,6 +436,16 @@ class EngineLinks:
             encode_notice(Notice("extend", c.engine_id, c.tp_rank, c.tp_size, list(request_ids))),
         )
 
+    def ready_now(self, plan: TransferPlan) -> bool:
+        """True if every rank ``plan`` notifies is linked and needs nothing before a pull (what
+        `ready` would return at once)."""
+        links = self.links
+        for r in plan.notify:
+            link = links[r]
+            if link.broken or link.loading or (link.local is not None and not local.alive(link.local)):
+                return False
+        return True
+
     async def ready(self, plan: TransferPlan) -> TransferPlan:
         """The plan once every rank it notifies is linked: ranks of this process that closed,
         or lost ones, are linked again first. Raises what re-linking raises."""

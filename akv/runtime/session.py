@@ -279,7 +279,7 @@ class TransferSession:
             _check_request(request)
         if not requests:
             return []
-        plan = await self._ready()
+        plan = self._ready_now() or await self._ready()
         launches = [self._begin(plan, request, transfer_timeout) for request in requests]
         posts: list[_Posted] = []
         transfers: list[Transfer | None] = [None] * len(launches)
@@ -308,6 +308,15 @@ class TransferSession:
                     failed.finish(posted.error)
                     transfers[i] = failed
         return [t for t in transfers if t is not None]
+
+    def _ready_now(self) -> TransferPlan | None:
+        """The plan if a pull may use it at once (linked, nothing to re-link), else None:
+        `_ready` then waits for it."""
+        remote = self.remote
+        plan = remote.plan
+        if plan is None or self.closed or self.rank.closed or not remote.ready_now(plan):
+            return None
+        return plan
 
     async def _ready(self) -> TransferPlan:
         """The plan, once every rank a pull needs is linked (handshaking first if need be)."""

@@ -204,7 +204,12 @@ class Transfer:
         return self.result()
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        return self.wait().__await__()
+        # `wait` without its coroutine: most pulls are done by the time they are awaited
+        if not self.done():
+            if self._event is None:
+                self._event = anyio.Event()
+            yield from self._event.wait().__await__()
+        return self.result()
 
     def finish(self, error: AkvError | None = None) -> TransferResult | None:
         """Settle the transfer once (the consumer's poller calls this); returns its result
