@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from akv.bench.workloads import Figures
-from akv.runtime.paths.read import NixlRead
+from akv.runtime.paths.read import NixlRead, SettledRead
 from akv.runtime.transfer import PullRequest
 
 __all__ = ["Methods", "cuda_count", "cuda_index", "torch_index"]
@@ -129,7 +129,7 @@ class Methods:
                     self.fig.unpack_s += t.op.scatter_s
                 elif res.path == "read":  # a direct read, or a packed pull's fallback to one
                     read = getattr(t.op, "fallback", None) or t.op
-                    if isinstance(read, NixlRead):
+                    if isinstance(read, (NixlRead, SettledRead)):
                         self.fig.data_ms.append(read.data_s * 1e3)
                         self.fig.check_s += read.check_s
         seconds = time.perf_counter() - t0

@@ -243,22 +243,34 @@ class PullPoller:
             self._grants[op.grant] = transfer
         now = time.monotonic()
         self._launched += 1
-        if (
-            self._unflushed
-            and op.path in ("read", "packed")
-            and not self.batcher.notices
-            and self.batcher.sent
-        ):
-            # its first READs went out behind the notices to those ranks: they flush behind them
-            # (not behind notices still queued for a background READ, which goes out later, nor
-            # behind one whose READ is still running: NIXL sends that notice once it is done)
-            for rank in op.ranks:
-                self._unflushed.pop((transfer.session, rank), None)
+        if self._unflushed and op.path in ("read", "packed"):
+            self._flushed_behind(transfer.session, op.ranks)
         self._check(transfer, now)
         if self._batched and self._inline:
             self._post_checks(now)
         if not transfer.done():
             self._backoff.wake()
+
+    def _flushed_behind(self, owner: PullOwner, ranks: Collection[int]) -> None:
+        """A pull of ``owner`` just posted its first READs to ``ranks``: they went out behind
+        the notices to those ranks and flush behind them, so those need no flush READ (not
+        behind notices still queued for a background READ, which goes out later, nor behind
+        one whose READ is still running: NIXL sends that notice once it is done)."""
+        if not self.batcher.notices and self.batcher.sent:
+            for rank in ranks:
+                self._unflushed.pop((owner, rank), None)
+
+    def completed(self, transfer: Transfer, read: Collection[int], notified: Collection[int]) -> None:
+        """Settle a read pull that finished where it was launched, never tracked (the
+        session's inline read): its READs went to prefill ranks ``read``, its "done" notice
+        to ``notified`` (queued in the batcher already); the rest as for a tracked pull."""
+        self._launched += 1
+        if self._unflushed:
+            self._flushed_behind(transfer.session, read)
+        if notified:
+            transfer.notified = True
+            self.noticed(transfer.session, notified)
+        self._complete(transfer)
 
     def reap(self) -> None:
         """A peer was lost or hung: keep progressing the agent for a while (see REAP_S)."""

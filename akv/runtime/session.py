@@ -5,7 +5,8 @@ path (copy, packed, push or read), the path op's start and a failed start's sett
 the "done" notice each pull ends with. The session links the engine's ranks through
 `akv.runtime.links` (finding, handshaking, re-linking them is that module's job) and hands
 each launched pull to the decode rank's poller (`akv.runtime.poller`), which drives it to its
-outcome and reaches the session back only as a `PullOwner`.
+outcome and reaches the session back only as a `PullOwner`; a single read checked in shared
+memory whose READs are done at once is settled where it was launched (`_read_inline`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ import numpy as np
 import numpy.typing as npt
 
 from akv import exposure
-from akv.errors import AkvError, ClosedError, ConfigError
+from akv.backends import XferHandle
+from akv.errors import AkvError, ClosedError, ConfigError, TransferError
 from akv.geometry.cache import CacheSpec, as_cache
 from akv.plan import Prepared, TransferPlan
 from akv.protocol.address import EngineAddress
 from akv.protocol.messages import Notice, encode_notice
 from akv.protocol.push import PushNotice
 from akv.runtime.links import EngineLinks, RankLink
-from akv.runtime.paths import Failed, PathName, PathOp, packed
+from akv.runtime.paths import Failed, Outcome, PathName, PathOp, Pending, packed
 from akv.runtime.paths.copy import CopyPlan
 from akv.runtime.paths.push import PackedPush, PushOp
-from akv.runtime.paths.read import NixlRead, RankCheck, ReadPost
+from akv.runtime.paths.read import NixlRead, RankCheck, ReadPost, SettledRead
 from akv.runtime.poller import PullPoller
 from akv.runtime.rank import DecodeRank
 from akv.runtime.transfer import PullRequest, Transfer, TransferResult
@@ -85,6 +87,7 @@ class _Posted:
     error: AkvError | None
     unsettled: bool = False
     rank: int | None = None
+    settled: bool = False  # done and settled already (the inline read): nothing to track
 
 
 class _Refused:
@@ -234,7 +237,7 @@ class TransferSession:
         _check_request(request)
         plan = await self._ready()
         launch = self._begin(plan, request, transfer_timeout)
-        posted = self._post(plan, launch)
+        posted = self._post(plan, launch, inline=True)
         if posted.error is not None and not isinstance(posted.op, PushOp):
             if posted.unsettled:
                 await self.poller.settle(posted.op)  # no write lands after pull raises
@@ -283,9 +286,10 @@ class TransferSession:
         launches = [self._begin(plan, request, transfer_timeout) for request in requests]
         posts: list[_Posted] = []
         transfers: list[Transfer | None] = [None] * len(launches)
+        inline = len(launches) == 1  # a batch's pulls are posted together, then polled together
         try:
             for launch in launches:
-                posts.append(self._post(plan, launch))
+                posts.append(self._post(plan, launch, inline))
         finally:  # what was posted is the poller's, even if a post raised something unforeseen
             announced = False
             for i, (launch, posted) in enumerate(zip(launches, posts, strict=False)):
@@ -353,9 +357,14 @@ class TransferSession:
         transfer.generation = request.generation
         return _Launch(request, prepared, fingerprint, notice, state, path, copier, token_hash, transfer)
 
-    def _post(self, plan: TransferPlan, launch: _Launch) -> _Posted:
+    def _post(self, plan: TransferPlan, launch: _Launch, inline: bool = False) -> _Posted:
         """Start a planned request on its path; a failure comes back in the answer, with
-        ``unsettled`` set while what was posted before it may still land."""
+        ``unsettled`` set while what was posted before it may still land. ``inline``: a
+        direct read may settle at once (`_read_inline`)."""
+        if inline and launch.path == "read" and self.rank.verify_exposure:
+            posted = self._read_inline(launch)
+            if posted is not None:
+                return posted
         if launch.path == "push":
             push = self._launch_push(launch.prepared, launch.request)
             failed = push.start()
@@ -378,9 +387,122 @@ class TransferSession:
         transfer.notify = notify
         return transfer
 
+    def _read_inline(self, launch: _Launch) -> _Posted | None:
+        """The read path of one pull, settled here when it can be: every prefill rank it
+        reads shares its exposure table with this host (`akv.shm`), and every data READ is
+        done at its first poll (over shared memory UCX copies while posting). Then the
+        request's slots are loaded and verified, the notices queued and the `Transfer`
+        settled here, as `NixlRead` does for the poller, without building the op, the
+        poller's tracking or their layers around it (docs/performance.md, "A single pull:
+        what runs after the copy"). None, with nothing posted, where a check needs a READ.
+        A pull that cannot settle here (a READ still running or failed, a check that does
+        not pass, a post refused) continues as the `NixlRead` holding what was posted, so
+        every outcome but the plain success is decided by the read path's own code."""
+        prepared = launch.prepared
+        remote = self.remote
+        links, dlists = remote.links, remote.dlists
+        for op, _, _ in prepared.posts:
+            check = links[op.remote_rank].check
+            if check is None or check.words is None or check.released:
+                return None
+        c = self.rank
+        backend, count = c.backend, self.metrics.inc
+        started = time.perf_counter()
+        handles: dict[XferHandle, int] = {}
+        for op, li, ri in prepared.posts:
+            try:
+                handle = backend.read(dlists[op.local_table], li, dlists[op.remote_table], ri, b"")
+            except TransferError as exc:
+                if handles:
+                    count("xfers_data", len(handles))
+                return self._read_handover(launch, handles, started, refused=Failed(exc, op.remote_rank))
+            handles[handle] = op.remote_rank
+        count("xfers_data", len(handles))
+        # The first poll, as `NixlRead.poll` makes it: what it found goes with a handover.
+        reaper = self.poller.reaper
+        pending = dict(handles)
+        for handle, rank in handles.items():
+            try:
+                done = backend.state(handle) == "DONE"
+            except TransferError as exc:  # finished, in error: nothing more of it lands
+                return self._read_handover(launch, pending, started, Failed(exc, rank), handle)
+            if done:
+                del pending[handle]
+                reaper.drop(handle, done=True)
+        if pending:
+            return self._read_handover(launch, pending, started, Pending(len(pending) < len(handles)))
+        data_done = time.perf_counter()
+        # The exposure check, after the data is in: each rank's slot of the request, in the
+        # order `NixlRead` loads them; any slot not live, or any error, goes to its code.
+        request = launch.request
+        token_hash, fingerprint = launch.token_hash, launch.fingerprint
+        ranks = sorted(set(handles.values()))
+        checks = [links[rank].check for rank in ranks]
+        for rank, check in zip(ranks, checks, strict=True):
+            assert check is not None and check.words is not None  # nothing ran since the test above
+            slot = exposure.shared_slot(
+                check.words, token_hash, (token_hash % check.buckets) * exposure.BUCKET_WORDS
+            )
+            if (
+                exposure.verify(
+                    slot,
+                    request.request_id,
+                    prepared.remote_ids,
+                    prefill_rank=rank,
+                    read_ids=prepared.read_ids,
+                    generation=request.generation,
+                    token_hash=token_hash,
+                    fingerprint=fingerprint,
+                )
+                is not None
+            ):
+                return self._read_handover(launch, {}, started)
+        count("checks_shared", len(ranks))
+        batcher = self.poller.batcher
+        for check in checks:
+            batcher.notify(backend, reaper, cast("RankCheck", check), launch.notice, count)
+        transfer = launch.transfer
+        read = frozenset(ranks)
+        transfer.op = SettledRead(read, data_done - started, time.perf_counter() - data_done)
+        transfer.notify = prepared.standalone
+        self.poller.completed(transfer, read, read)
+        return _Posted(transfer.op, prepared.standalone, None, settled=True)
+
+    def _read_handover(
+        self,
+        launch: _Launch,
+        handles: dict[XferHandle, int],
+        started: float,
+        first: Outcome = None,
+        errored: XferHandle = None,
+        *,
+        refused: Failed | None = None,
+    ) -> _Posted:
+        """The `NixlRead` of a pull `_read_inline` could not settle, holding the READs it
+        posted that are not done (``first``, ``errored``: what its poll found, see
+        `NixlRead.adopt`; ``refused``: posting one failed, the op is aborted as its own
+        `start` would)."""
+        request = launch.request
+        read = self._direct(
+            launch.prepared,
+            request.request_id,
+            launch.notice,
+            request.generation,
+            launch.fingerprint,
+            launch.token_hash,
+        )
+        read.adopt(handles, started, first, errored)
+        if refused is None:
+            return _Posted(read, launch.prepared.standalone, None)
+        read.abort()
+        error = self._started(read, refused)
+        return _Posted(read, launch.prepared.standalone, error, unsettled=self.poller.reaper.holds(read))
+
     def _track(self, launch: _Launch, posted: _Posted) -> Transfer:
         """The launched pull's `Transfer`, handed to the poller (a push whose announcement
         could not be sent: failed there, settled once the writers told stopped)."""
+        if posted.settled:  # the inline read settled it
+            return launch.transfer
         transfer = self._transfer(launch, posted.op, posted.notify)
         self.transfers.add(transfer)
         self.poller.track(transfer)

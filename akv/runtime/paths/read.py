@@ -44,6 +44,7 @@ __all__ = [
     "Post",
     "RankCheck",
     "ReadPost",
+    "SettledRead",
     "flush_after_notice",
 ]
 
@@ -356,6 +357,28 @@ class RankCheck:
             self.words = exposure.words(self.table)
 
 
+class SettledRead:
+    """The op of a pull the read path settled where it was launched (the session's inline
+    read: every READ done at its first poll, every check a load from a table in shared
+    memory): nothing of it is in flight, so polling, aborting and asking it cost nothing.
+    ``ranks``: the prefill ranks read from; ``data_s`` and ``check_s`` as `NixlRead`'s."""
+
+    __slots__ = ("check_s", "data_s", "ranks")
+    path: PathName = "read"
+
+    def __init__(self, ranks: frozenset[int], data_s: float, check_s: float) -> None:
+        self.ranks, self.data_s, self.check_s = ranks, data_s, check_s
+
+    def poll(self) -> Outcome:
+        return None
+
+    def take_notified(self) -> frozenset[int]:
+        return frozenset()
+
+    def abort(self) -> None:
+        return None
+
+
 class NixlRead:
     """One pull on the read path (see the module). ``checks`` None: no exposure check, the
     data reads carry the notice. ``generation``: one for every rank or per rank; ``packed``:
@@ -424,6 +447,7 @@ class NixlRead:
     _shared_told: frozenset[int] = frozenset()  # the ranks of those whose notice was queued
     _notified: frozenset[int] = frozenset()  # see take_notified
     _told = False  # the notice went out (its reads are done)
+    _first: Outcome = None  # see adopt
     #: seconds of its two stages, for benchmarks: from `start` until the data reads were
     #: seen done, and from then until the exposure check was seen verified
     data_s = 0.0
@@ -448,6 +472,26 @@ class NixlRead:
         """The prefill ranks read from: until the exposure check is verified, losing any of
         them (or re-linking it) fails the pull."""
         return self._ranks
+
+    def adopt(
+        self,
+        pending: Mapping[XferHandle, int],
+        since: float,
+        first: Outcome = None,
+        errored: XferHandle = None,
+    ) -> None:
+        """Take data READs posted already, ``{handle: prefill rank}`` since
+        ``time.perf_counter()`` ``since``, as this op's own (instead of `start`, which
+        posts them; they were counted when posted): the session's inline read hands over a
+        pull it cannot settle at once (`akv.runtime.session`). With none, the data is in
+        (its READs done and released) and the next poll makes the exposure check.
+        ``first``: what the inline read's poll of them found (`Pending`, or `Failed` with
+        ``errored`` the READ in error), which the next `poll` answers without polling."""
+        self._pending.update(pending)
+        self._since = since
+        self._first = first
+        if errored is not None:
+            self._errored = errored
 
     def take_notified(self) -> frozenset[int]:
         """The prefill ranks the "done" notice went to since the last call: those of the
@@ -481,6 +525,9 @@ class NixlRead:
 
     def poll(self) -> Outcome:
         """Poll the reads in flight; post the checks once the data is in; verify them."""
+        if self._first is not None:  # polled already where it was launched (see adopt)
+            first, self._first = self._first, None
+            return first
         changed = False
         pending = self._pending
         if pending:
