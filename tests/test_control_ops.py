@@ -21,7 +21,7 @@ import pytest
 
 import akv
 from akv.metrics import CONTROL_OPS
-from akv.testing import fetch_requests, make_requests, verify_request
+from akv.testing import fetch_requests, make_requests, stop_prefill, verify_request
 from tests.conftest import (
     MODEL,
     cli_spec,
@@ -352,3 +352,50 @@ async def test_a_checked_pull_completes_while_the_prefill_process_cannot_run(
     assert took < 5, took
     assert summary["released"] == 2 and summary["expired"] == 0, summary
     assert summary["duplicate_releases"] == 0 and summary["unreleased"] == 0, summary
+
+
+async def test_a_single_checked_pull_from_a_prefill_process_on_this_host_settles_at_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a first pull made the link (and the READ behind its notice is done), a checked
+    pull from a prefill rank in another process on this host (its exposure table mapped, its
+    READ done while posted) is done when `pull` returns: bit-exact, one data READ, one check
+    made in shared memory, no check READ, one transfer; its notice releases the request once,
+    by read. A pull of a request whose lease expired fails typed (`LeaseExpiredError`),
+    counted as one check and one unsafe read, and sends no notice. (UCX's keepalive is off,
+    as in the test above: its check message would make a READ wait for the prefill.)"""
+    for key, value in NO_KEEPALIVE.items():
+        monkeypatch.setenv(key, value)
+    with prefill_process(1, 4, "--lease", "3", "--hold", requests=3, env=NO_KEEPALIVE) as (proc, endpoint):
+        spec = cli_spec("--kv-heads", "4", *MODEL)
+        first, fresh, stale = await fetch_requests(endpoint, spec, None, "t")
+        async with decode_rank(spec) as consumer:
+            session = await consumer.connect(endpoint)
+            counters = consumer.metrics.counters
+            await (await session.pull(first.request_id, [8, 9, 10, 11], first.block_ids))  # links the rank
+            with anyio.fail_after(10):  # until the READ behind its notice is done
+                while counters.get(CONTROL_OPS["flush_reads"], 0) < 1 or consumer.reaper.background:
+                    await anyio.sleep(0.02)
+            before = dict(counters)
+            transfer = await session.pull(fresh.request_id, [0, 1, 2, 3], fresh.block_ids)
+            assert transfer.done()
+            assert (await transfer).path == "read"
+            assert verify(consumer, [0, 1, 2, 3], fresh.seed, range(4))
+            kinds = ("xfers_data", "checks_shared", "xfers_check", "transfers")
+            assert {k: counters.get(k, 0) - before.get(k, 0) for k in kinds} == dict(
+                zip(kinds, (1, 1, 0, 1), strict=True)
+            )
+            await anyio.sleep(3.5)  # the last request's lease runs out
+            before = dict(counters)
+            with pytest.raises(akv.LeaseExpiredError):
+                await (await session.pull(stale.request_id, [4, 5, 6, 7], stale.block_ids))
+            await anyio.sleep(0.3)  # a notice would have gone out on a background READ by now
+            kinds = ("checks_shared", "unsafe_reads", "xfers_notice")
+            assert {k: counters.get(k, 0) - before.get(k, 0) for k in kinds} == dict(
+                zip(kinds, (1, 1, 0), strict=True)
+            )
+        summary = await anyio.to_thread.run_sync(stop_prefill, proc)  # held: it runs until stopped
+    assert summary is not None
+    assert summary["released_ids"] == [first.request_id, fresh.request_id], summary  # by read
+    assert summary["expired_ids"] == [stale.request_id], summary
+    assert summary["duplicate_releases"] == 0, summary

@@ -18,7 +18,7 @@ from akv.backends.nixl import NixlBackend
 from akv.errors import PeerLostError, TransferError
 from akv.metrics import COUNTERS
 from akv.protocol.messages import decode_message
-from tests.conftest import make_spec, prefill_engine, wait_for
+from tests.conftest import make_spec, prefill_engine, verify, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -182,3 +182,70 @@ def test_protocol_version_mismatch_has_its_own_error() -> None:
     with pytest.raises(akv.VersionMismatchError, match="version 99"):
         decode_message(body)
     assert issubclass(akv.VersionMismatchError, akv.ProtocolError)
+
+
+FIRST_POLLS = {
+    "as NIXL says": [],
+    "running": ["PROC"],
+    "running twice": ["PROC", "PROC"],
+    "in error": [TransferError("injected")],
+}
+
+
+@pytest.mark.parametrize("first", list(FIRST_POLLS))
+async def test_a_single_pull_settles_and_counts_the_same_whatever_its_first_poll_finds(first: str) -> None:
+    """One pull from a prefill rank that shares its exposure table with this process, whatever
+    its READ's first polls report (NIXL's own answer, "still running" once or twice, an
+    error): the pull settles once with the outcome that READ earned (the bytes in place, or a TransferError),
+    counts one data READ and, once its data is in, one check made in shared memory and one
+    transfer, the prefill releases the request once (on the notice, or by lease after an
+    error), and no NIXL transfer handle is left behind."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1, lease=1.0) as engine, scripted_consumer(spec) as (consumer, backend):
+        session = await consumer.connect(engine.endpoint)
+        engine.fill("r", [3, 4], seed=9)
+        before = dict(consumer.metrics.counters)
+        backend.script.extend(FIRST_POLLS[first])
+        transfer = await session.pull("r", [20, 21], [3, 4])
+        counters = consumer.metrics.counters
+
+        def spent(name: str) -> int:
+            return counters.get(name, 0) - before.get(name, 0)
+
+        if first == "in error":
+            with pytest.raises(TransferError):
+                await transfer
+            assert (spent("checks_shared"), spent("transfers")) == (0, 0)
+            await wait_for(lambda: engine.reasons[("r", "expired")] == 1)
+        else:
+            result = await transfer
+            assert result.bytes > 0 and result.path == "read"
+            assert verify(consumer, [20, 21], 9, [0, 1])
+            assert (spent("checks_shared"), spent("transfers")) == (1, 1)
+            await wait_for(lambda: engine.reasons[("r", "read")] == 1)
+        assert spent("xfers_data") == 1
+        await wait_for(lambda: backend.active_transfers == 0)
+        assert sum(engine.reasons.values()) == 1
+
+
+async def test_a_single_pull_of_a_released_request_fails_typed_without_a_notice() -> None:
+    """One pull of a request its prefill rank released by lease before the pull (checked in
+    shared memory): an UnsafeReadError, counted as one check and one unsafe read, and no
+    "done" notice for it: the same request exposed again afterwards stays exposed."""
+    spec = make_spec()
+    async with prefill_engine(spec, 1) as engine, scripted_consumer(spec) as (consumer, _backend):
+        session = await consumer.connect(engine.endpoint)
+        engine.fill("gone", [5], seed=2, lease=0.2)
+        await wait_for(lambda: engine.reasons[("gone", "expired")] == 1)
+        before = dict(consumer.metrics.counters)
+        with pytest.raises(akv.UnsafeReadError):
+            await (await session.pull("gone", [30], [5]))
+        engine.fill("gone", [5], seed=3)  # exposed again, with the default lease
+        await anyio.sleep(0.3)  # a notice would have gone out and been handled by now
+        counters = consumer.metrics.counters
+
+        def spent(name: str) -> int:
+            return counters.get(name, 0) - before.get(name, 0)
+
+        assert (spent("unsafe_reads"), spent("checks_shared"), spent("xfers_notice")) == (1, 1, 0)
+        assert engine.reasons[("gone", "read")] == 0 and engine.producers[0].pending == 1

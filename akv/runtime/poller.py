@@ -260,17 +260,23 @@ class PullPoller:
             for rank in ranks:
                 self._unflushed.pop((owner, rank), None)
 
-    def completed(self, transfer: Transfer, read: Collection[int], notified: Collection[int]) -> None:
-        """Settle a read pull that finished where it was launched, never tracked (the
-        session's inline read): its READs went to prefill ranks ``read``, its "done" notice
-        to ``notified`` (queued in the batcher already); the rest as for a tracked pull."""
+    def launched(self, owner: PullOwner, read: Collection[int]) -> None:
+        """A read pull of ``owner`` that settles where it was launched (the session's inline
+        read) posted its READs to prefill ranks ``read``; what `track` does for a launch."""
         self._launched += 1
         if self._unflushed:
-            self._flushed_behind(transfer.session, read)
+            self._flushed_behind(owner, read)
+
+    def completed(self, transfer: Transfer, notified: Collection[int]) -> None:
+        """Settle a read pull that finished where it was launched, never tracked (after
+        `launched`): its "done" notice went to ``notified`` (queued in the batcher already);
+        the rest as `_check` and `_complete` do for a tracked pull."""
         if notified:
             transfer.notified = True
             self.noticed(transfer.session, notified)
         self._complete(transfer)
+        if self._batched and self._inline:
+            self._post_checks(time.monotonic())
 
     def reap(self) -> None:
         """A peer was lost or hung: keep progressing the agent for a while (see REAP_S)."""

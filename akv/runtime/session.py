@@ -392,34 +392,36 @@ class TransferSession:
         reads shares its exposure table with this host (`akv.shm`), and every data READ is
         done at its first poll (over shared memory UCX copies while posting). Then the
         request's slots are loaded and verified, the notices queued and the `Transfer`
-        settled here, as `NixlRead` does for the poller, without building the op, the
+        settled here, as `NixlRead` and the poller do, without building the op, the
         poller's tracking or their layers around it (docs/performance.md, "A single pull:
         what runs after the copy"). None, with nothing posted, where a check needs a READ.
-        A pull that cannot settle here (a READ still running or failed, a check that does
-        not pass, a post refused) continues as the `NixlRead` holding what was posted, so
-        every outcome but the plain success is decided by the read path's own code."""
+        A pull that cannot settle here (a READ still running or failed, a post refused, a
+        check that does not pass) goes on as the `NixlRead` holding what was posted and what
+        its first poll found, so that every outcome but success is the read path's to settle."""
         prepared = launch.prepared
         remote = self.remote
         links, dlists = remote.links, remote.dlists
-        for op, _, _ in prepared.posts:
+        posts = []
+        for op, li, ri in prepared.posts:
             check = links[op.remote_rank].check
             if check is None or check.words is None or check.released:
                 return None
-        c = self.rank
-        backend, count = c.backend, self.metrics.inc
+            posts.append((dlists[op.local_table], li, dlists[op.remote_table], ri, op.remote_rank))
+        backend, count = self.rank.backend, self.metrics.inc
+        poller = self.poller
+        reaper = poller.reaper
         started = time.perf_counter()
         handles: dict[XferHandle, int] = {}
-        for op, li, ri in prepared.posts:
+        for local, li, remote_list, ri, rank in posts:
             try:
-                handle = backend.read(dlists[op.local_table], li, dlists[op.remote_table], ri, b"")
+                handle = backend.read(local, li, remote_list, ri, b"")
             except TransferError as exc:
                 if handles:
                     count("xfers_data", len(handles))
-                return self._read_handover(launch, handles, started, refused=Failed(exc, op.remote_rank))
-            handles[handle] = op.remote_rank
+                return self._read_handover(launch, handles, started, refused=Failed(exc, rank))
+            handles[handle] = rank
         count("xfers_data", len(handles))
         # The first poll, as `NixlRead.poll` makes it: what it found goes with a handover.
-        reaper = self.poller.reaper
         pending = dict(handles)
         for handle, rank in handles.items():
             try:
@@ -432,40 +434,53 @@ class TransferSession:
         if pending:
             return self._read_handover(launch, pending, started, Pending(len(pending) < len(handles)))
         data_done = time.perf_counter()
-        # The exposure check, after the data is in: each rank's slot of the request, in the
-        # order `NixlRead` loads them; any slot not live, or any error, goes to its code.
+        # The exposure check, now that the data is in, as `NixlRead._post_checks` and
+        # `_verify` make it: every rank's slot loaded (in rank order), then verified.
         request = launch.request
         token_hash, fingerprint = launch.token_hash, launch.fingerprint
         ranks = sorted(set(handles.values()))
-        checks = [links[rank].check for rank in ranks]
-        for rank, check in zip(ranks, checks, strict=True):
-            assert check is not None and check.words is not None  # nothing ran since the test above
-            slot = exposure.shared_slot(
-                check.words, token_hash, (token_hash % check.buckets) * exposure.BUCKET_WORDS
+        checks = [cast("RankCheck", links[rank].check) for rank in ranks]  # unchanged: nothing awaited
+        slots = [
+            exposure.shared_slot(
+                cast("memoryview", check.words),
+                token_hash,
+                (token_hash % check.buckets) * exposure.BUCKET_WORDS,
             )
-            if (
-                exposure.verify(
-                    slot,
-                    request.request_id,
-                    prepared.remote_ids,
-                    prefill_rank=rank,
-                    read_ids=prepared.read_ids,
-                    generation=request.generation,
-                    token_hash=token_hash,
-                    fingerprint=fingerprint,
-                )
-                is not None
-            ):
-                return self._read_handover(launch, {}, started)
-        count("checks_shared", len(ranks))
-        batcher = self.poller.batcher
-        for check in checks:
-            batcher.notify(backend, reaper, cast("RankCheck", check), launch.notice, count)
-        transfer = launch.transfer
+            for check in checks
+        ]
+        error = None
+        for rank, slot in zip(ranks, slots, strict=True):
+            error = exposure.verify(
+                slot,
+                request.request_id,
+                prepared.remote_ids,
+                prefill_rank=rank,
+                read_ids=prepared.read_ids,
+                generation=request.generation,
+                token_hash=token_hash,
+                fingerprint=fingerprint,
+            )
+            if error is not None:
+                break
+        if ranks:
+            count("checks_shared", len(ranks))
         read = frozenset(ranks)
+        if error is not None:
+            # Not exposed (or not this exposure) on some rank: a notice goes only where every
+            # slot is still live (else the ranks release by lease), and the op fails the pull.
+            live = all(exposure.live(slot) for slot in slots)
+            if live:
+                for check in checks:
+                    poller.batcher.notify(backend, reaper, check, launch.notice, count)
+            notified = read if live else frozenset()
+            return self._read_handover(launch, {}, started, Failed(error), notified=notified)
+        poller.launched(self, read)  # before the notices are queued, as `track` runs before the poll
+        for check in checks:
+            poller.batcher.notify(backend, reaper, check, launch.notice, count)
+        transfer = launch.transfer
         transfer.op = SettledRead(read, data_done - started, time.perf_counter() - data_done)
         transfer.notify = prepared.standalone
-        self.poller.completed(transfer, read, read)
+        poller.completed(transfer, read)
         return _Posted(transfer.op, prepared.standalone, None, settled=True)
 
     def _read_handover(
@@ -477,21 +492,27 @@ class TransferSession:
         errored: XferHandle = None,
         *,
         refused: Failed | None = None,
+        notified: frozenset[int] | None = None,
     ) -> _Posted:
         """The `NixlRead` of a pull `_read_inline` could not settle, holding the READs it
-        posted that are not done (``first``, ``errored``: what its poll found, see
+        posted that are not done (``first``, ``errored``, ``notified``: what it found, see
         `NixlRead.adopt`; ``refused``: posting one failed, the op is aborted as its own
-        `start` would)."""
+        `start` would). Should building the op fail, the READs go to the reaper first."""
         request = launch.request
-        read = self._direct(
-            launch.prepared,
-            request.request_id,
-            launch.notice,
-            request.generation,
-            launch.fingerprint,
-            launch.token_hash,
-        )
-        read.adopt(handles, started, first, errored)
+        try:
+            read = self._direct(
+                launch.prepared,
+                request.request_id,
+                launch.notice,
+                request.generation,
+                launch.fingerprint,
+                launch.token_hash,
+            )
+        except BaseException:  # pragma: no cover - defensive: nothing posted is left unowned
+            for handle in handles:
+                self.poller.reaper.drop(handle)
+            raise
+        read.adopt(handles, started, first, errored, notified)
         if refused is None:
             return _Posted(read, launch.prepared.standalone, None)
         read.abort()

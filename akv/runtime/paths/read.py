@@ -479,19 +479,23 @@ class NixlRead:
         since: float,
         first: Outcome = None,
         errored: XferHandle = None,
+        notified: frozenset[int] | None = None,
     ) -> None:
         """Take data READs posted already, ``{handle: prefill rank}`` since
         ``time.perf_counter()`` ``since``, as this op's own (instead of `start`, which
         posts them; they were counted when posted): the session's inline read hands over a
-        pull it cannot settle at once (`akv.runtime.session`). With none, the data is in
-        (its READs done and released) and the next poll makes the exposure check.
-        ``first``: what the inline read's poll of them found (`Pending`, or `Failed` with
-        ``errored`` the READ in error), which the next `poll` answers without polling."""
+        pull it cannot settle at once (`akv.runtime.session`). ``first``: what its poll
+        found, which the next `poll` answers without polling again: `Pending` (READs still
+        running), or `Failed` with ``errored`` the READ in error. ``notified`` (the data was
+        in and the check made, ``first`` its `Failed`): the ranks whose notices it queued."""
         self._pending.update(pending)
         self._since = since
         self._first = first
         if errored is not None:
             self._errored = errored
+        if notified is not None:
+            self.checking = True
+            self._sent(notified)
 
     def take_notified(self) -> frozenset[int]:
         """The prefill ranks the "done" notice went to since the last call: those of the
