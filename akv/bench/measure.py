@@ -80,8 +80,9 @@ def _pack_mib(w: Workload, prefill: Any, remotes: list[Any]) -> int:
         ids = cache.per_group(ids_json(remote), "bench")
         total += max(sections(cache, r, w.prefill_tp, [len(i) for i in ids])[1] for r in range(w.prefill_tp))
         total += ALIGN
-    # the warm-up copy and the measured one, up to PACK_POOL_MIB (requests beyond it are read
-    # directly: the JSON's ``paths`` says how many)
+    # the warm-up copy and the measured one of each (the lead-in's: ``remotes`` lists those
+    # requests twice), up to PACK_POOL_MIB (requests beyond it are read directly: the JSON's
+    # ``paths`` says how many)
     return min(2 * total // (1 << 20) + 1, PACK_POOL_MIB)
 
 
@@ -130,15 +131,22 @@ async def bench_workload(
     reqs = pick_requests(w, prefill_spec, spec, rng)
     with tempfile.TemporaryDirectory() as tmp:
         # The prefill exposes exactly what akv pulls (checked pulls of unexposed requests fail):
-        # each request once for the warm-up, once for the lead-in and once for the measured pull.
+        # each request once for the warm-up and once for the measured pull, and the first
+        # batch's once more for the lead-in (see `_measure`).
+        push = mode == "push"
         exposed = [
             RequestInfo(request_id=f"{rid}{suffix}", block_ids=ids_json(remote))
             for rid, _, remote in reqs
-            for suffix in ("", "-warm", "-lead", *(("-p", "-warm-p", "-lead-p") if mode == "push" else ()))
+            for suffix in ("", "-warm", *(("-p", "-warm-p") if push else ()))
+        ] + [
+            RequestInfo(request_id=f"{rid}{suffix}", block_ids=ids_json(remote))
+            for rid, _, remote in reqs[: w.concurrency]
+            for suffix in ("-lead", *(("-lead-p",) if push else ()))
         ]
         save_requests(f"{tmp}/requests.json", exposed)
         # The file stays until the prefill is gone: it reads it again for its summary.
-        pool = _pack_mib(w, prefill_spec, [remote for _, _, remote in reqs]) if transfer != "direct" else 1
+        remotes = [remote for _, _, remote in reqs + reqs[: w.concurrency]]
+        pool = _pack_mib(w, prefill_spec, remotes) if transfer != "direct" else 1
         proc, endpoint = _start_prefill(w, prefill_spec, f"{tmp}/requests.json", device, transfer, pool)
         try:
             fig = await _measure(
