@@ -30,7 +30,7 @@ from akv.protocol.address import EngineAddress
 from akv.protocol.messages import Notice, encode_notice
 from akv.protocol.push import PushNotice
 from akv.runtime.links import EngineLinks, RankLink
-from akv.runtime.paths import Failed, Outcome, PathName, PathOp, Pending, packed
+from akv.runtime.paths import Failed, Outcome, PathName, PathOp, Pending, packed, unsafe
 from akv.runtime.paths.copy import CopyPlan
 from akv.runtime.paths.push import PackedPush, PushOp
 from akv.runtime.paths.read import NixlRead, RankCheck, ReadPost, SettledRead
@@ -440,28 +440,16 @@ class TransferSession:
         token_hash, fingerprint = launch.token_hash, launch.fingerprint
         ranks = sorted(set(handles.values()))
         checks = [cast("RankCheck", links[rank].check) for rank in ranks]  # unchanged: nothing awaited
-        slots = [
-            exposure.shared_slot(
-                cast("memoryview", check.words),
-                token_hash,
-                (token_hash % check.buckets) * exposure.BUCKET_WORDS,
-            )
-            for check in checks
-        ]
-        error = None
-        for rank, slot in zip(ranks, slots, strict=True):
-            error = exposure.verify(
-                slot,
-                request.request_id,
-                prepared.remote_ids,
-                prefill_rank=rank,
-                read_ids=prepared.read_ids,
-                generation=request.generation,
-                token_hash=token_hash,
-                fingerprint=fingerprint,
-            )
-            if error is not None:
-                break
+        slots = [check.load(token_hash) for check in checks]
+        error = unsafe(
+            zip(ranks, slots, strict=True),
+            request.request_id,
+            prepared.remote_ids,
+            prepared.read_ids,
+            request.generation,
+            token_hash=token_hash,
+            fingerprint=fingerprint,
+        )
         if ranks:
             count("checks_shared", len(ranks))
         read = frozenset(ranks)

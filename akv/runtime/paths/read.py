@@ -356,6 +356,14 @@ class RankCheck:
         if self.table is not None:
             self.words = exposure.words(self.table)
 
+    def load(self, token_hash: int) -> tuple[int, int, int] | None:
+        """The request's slot, loaded from the table in shared memory (`exposure.shared_slot`;
+        only where ``words`` is set)."""
+        assert self.words is not None
+        return exposure.shared_slot(
+            self.words, token_hash, (token_hash % self.buckets) * exposure.BUCKET_WORDS
+        )
+
 
 class SettledRead:
     """The op of a pull the read path settled where it was launched (the session's inline
@@ -604,14 +612,12 @@ class NixlRead:
             check = checks.get(rank)
             if check is None or check.released:  # the rank was re-linked (or lost) since the data reads
                 return Failed(PeerLostError(f"prefill rank {rank} was re-linked during this pull"), rank)
-            bucket = h % check.buckets
             if check.words is not None:  # on this host: memory loads, now that the data is in
-                found = self._shared[rank] = exposure.shared_slot(
-                    check.words, h, bucket * exposure.BUCKET_WORDS
-                )
+                found = self._shared[rank] = check.load(h)
                 live = live and exposure.live(found)
                 shared.append(check)
                 continue
+            bucket = h % check.buckets
             try:
                 slot = pool.acquire()
             except BackPressureError as exc:
