@@ -46,35 +46,60 @@ ARCHS = {
     "nemotron_h": ("float32", 1, [*FAST, "--dtype", "float32", "--no-enable-prefix-caching"]),
     "qwen3_next": ("bfloat16", 2, FAST),
 }
-#: arch -> (attention block size, bytes of one attention block, {decode TP: state bytes of one
-#: request over its layers, summed over the decode ranks}). vLLM sizes the attention block so
-#: that its page holds a state page (Qwen3-Next's is 384 tokens here at TP 1 and TP 2 alike);
-#: it pads each state page to the attention page, akv moves the state without the padding.
-#: Nemotron-H: 1 attention layer (4 KV heads of 32, float32), 2 Mamba2 layers: conv x (8 heads
-#: x 32) + B and C (1 group x 16 each, held by both ranks at TP 2, so both decode ranks pull
-#: them) over 3 taps, SSM 8 x 32 x 16. Qwen3-Next: 1 attention layer (2 KV heads of 64, bf16),
-#: 3 GDN layers: conv q and k (2 key heads x 128 each) + v (4 value heads x 128) over 3 taps,
-#: state 4 x 128 x 128.
+#: arch -> (attention block size where vLLM keeps its default, bytes of one token's attention KV
+#: over the layers and decode ranks, bytes of one request's state slots summed over the decode
+#: ranks as a function of (decode TP, conv element size, SSM state element size)). vLLM sizes
+#: the attention block so that its page holds a state page, and pads each state page to the
+#: attention page; akv moves the state without the padding. The state's element sizes are
+#: vLLM's choice on the machine (see `vllm_choices`). Nemotron-H: 1 attention layer (4 KV heads
+#: of 32, float32), 2 Mamba2 layers: conv x (8 heads x 32) + B and C (1 group x 16 each, held by
+#: both ranks at TP 2, so both decode ranks pull them) over 3 taps, SSM 8 x 32 x 16.
+#: Qwen3-Next: 1 attention layer (2 KV heads of 64, bf16), 3 GDN layers: conv q and k (2 key
+#: heads x 128 each) + v (4 value heads x 128) over 3 taps, state 4 x 128 x 128.
 PULLED = {
     "nemotron_h": (
         128,
-        128 * 4 * 2 * 32 * 4,
-        {tp: 2 * ((8 * 32 + tp * 2 * 16) * 3 + 8 * 32 * 16) * 4 for tp in (1, 2)},
+        4 * 2 * 32 * 4,
+        lambda tp, c, s: 2 * ((8 * 32 + tp * 2 * 16) * 3 * c + 8 * 32 * 16 * s),
     ),
     "qwen3_next": (
-        384,
-        384 * 2 * 2 * 64 * 2,
-        {tp: 3 * ((2 * 128 * 2 + 4 * 128) * 3 + 4 * 128 * 128) * 2 for tp in (1, 2)},
+        None,
+        2 * 2 * 64 * 2,
+        lambda tp, c, s: 3 * ((2 * 128 * 2 + 4 * 128) * 3 * c + 4 * 128 * 128 * s),
     ),
 }
 NEAR_TIE = 0.1  # bf16: a top-2 log-probability margin at most this is a near-tie (docs/vllm.md)
 
 
+def vllm_choices(arch: str, inst: Instance) -> tuple[int, int, int]:
+    """What vLLM chose for ``arch`` on this machine, from the instance's log: the attention
+    block size (raised so that a page holds a state page: "Setting attention block size to N
+    tokens") and the conv and SSM state element sizes. vLLM's CPU build keeps the state in the
+    model's dtype, but on CPUs with AVX-512 BF16 its GDN backend stores the SSM state in float32
+    ("Reset SSM cache type to float32"), which also raises the attention block."""
+    log = inst.log.read_text(errors="replace")
+    found = re.search(r"Setting attention block size to (\d+) tokens", log)
+    block = PULLED[arch][0]
+    if found:
+        block = int(found.group(1))
+    assert block is not None, f"no attention block size in {inst.log}"
+    conv = 4 if ARCHS[arch][0] == "float32" else 2
+    ssm = 4 if conv == 4 or "Reset SSM cache type to float32" in log else 2
+    return block, conv, ssm
+
+
 class Hybrid:
-    """A model's two instances: ``one`` (TP 1, core 0) and ``two`` (TP 2, core 1)."""
+    """A model's two instances: ``one`` (TP 1, core 0) and ``two`` (TP 2, core 1), and what
+    vLLM chose for it here (`vllm_choices`): ``block`` (attention block size), and the bytes a
+    request pulls: ``block_bytes`` per attention block, ``state_bytes[decode TP]`` of state."""
 
     def __init__(self, arch: str, model: Path, one: Instance, two: Instance) -> None:
         self.arch, self.model, self.one, self.two = arch, model, one, two
+        self.block, conv, ssm = vllm_choices(arch, two)
+        assert vllm_choices(arch, one) == (self.block, conv, ssm), (one.log, two.log)
+        _, token_bytes, state = PULLED[arch]
+        self.block_bytes = self.block * token_bytes
+        self.state_bytes = {tp: state(tp, conv, ssm) for tp in (1, 2)}
 
     def ways(self) -> tuple[tuple[Instance, Instance, str], ...]:
         """(prefill, decode, name) both ways."""
@@ -144,7 +169,7 @@ def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybri
     padding), and prefill frees every block."""
     h = hybrid
     name = "vllm:prompt_tokens_by_source_total"
-    block, block_bytes, state_bytes = PULLED[h.arch]
+    block, block_bytes, state_bytes = h.block, h.block_bytes, h.state_bytes
     cases = [(n, way) for n in (37, 300) for way in h.ways()] + [(900, h.ways()[0])]
     cases.append((300, (h.one, h.one, "tp1->tp1 (one instance)")))
     for i, (n, (prefill, decode, way)) in enumerate(cases):
@@ -164,12 +189,12 @@ def test_hybrid_tokens_equal_colocated_and_prompt_counted_external(hybrid: Hybri
 
 
 def test_hybrid_shared_prefix_pair_equal_colocated(hybrid: Hybrid) -> None:
-    """Two prompts sharing their first 400 tokens (a whole attention block) decode the colocated
+    """Two prompts sharing a whole attention block and 16 tokens more decode the colocated
     tokens: the second's state is the whole state of its own prompt, never one trimmed to the
     decode's local prefix hit."""
     h = hybrid
-    first = prompt(600, seed=900)
-    second = first[:400] + prompt(200, seed=901)
+    first = prompt(h.block + 216, seed=900)
+    second = first[: h.block + 16] + prompt(200, seed=901)
     for prefill, decode, way in h.ways():
         for tokens in (first, second):
             got = disaggregated(prefill, decode, h.model, tokens)
