@@ -8,6 +8,7 @@ process read through NIXL.
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import subprocess
@@ -140,8 +141,6 @@ async def test_concurrent_checked_pulls_leave_nothing_for_the_garbage_collector(
     op a packed pull wraps), check tickets and batch are freed as soon as the pull is (by
     reference counting), so a burst of small pulls does not make Python's cyclic collector
     run (each of its passes stops the event loop for all of them)."""
-    import gc
-
     # checks READ through the batcher (its tickets and batches are what could hold cycles)
     consumer_kw = {**ON_PATH[path], **({"check_with": "read"} if path != "push" else {})}
     reqs = make_requests(SPEC, 4, 2, seed=5)  # 4 at once: the most this pool's blocks hold (see local_ids)
@@ -240,8 +239,6 @@ async def test_a_closed_consumer_lets_go_of_its_nixl_agent_at_once(path: str) ->
     at once, without a pass of the garbage collector, after checked pulls left prepared lists
     and handles of it around (the check and directory slots, the local lists, the reaper's
     background READs): nothing the closed rank's objects hold keeps it alive."""
-    import gc
-
     consumer_kw = {**ON_PATH[path], "check_with": "read"}
     reqs = make_requests(SPEC, 2, 2, seed=6)
     async with prefill_engine(SPEC, 2, **({"transfer": "packed"} if path == "packed" else {})) as engine:
@@ -288,6 +285,26 @@ def test_bench_reports_control_ops_and_latency_beside_raw_nixl() -> None:
     assert 0 < ops["flush_reads"] <= 1 and 0 < ops["notice_reads"] <= 1
     assert {**ops, "flush_reads": 0, "notice_reads": 0} == zero
     assert w["push_control_ops"] == {**zero, "push_announces": 1, "push_notices": 1}
+
+
+def test_bench_measures_with_the_heap_frozen_and_unfreezes_it_after() -> None:
+    """`akv bench` runs a workload's measured batches with every object that existed before them
+    frozen, so that a collection scans what the pulls allocate and not the bench's own heap
+    (docs/performance.md, "Garbage collection in the bench"); the pulls' objects are not
+    frozen, and everything is unfrozen afterwards, also when a batch raises, so that the
+    workload's objects can go."""
+    from akv.bench.measure import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the interpreter's, the suite's, this test's
+        allocated = [[n] for n in range(100)]
+        assert gc.get_freeze_count() == frozen and gc.is_tracked(allocated[0])
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError, match="a batch failed"), frozen_heap():
+        raise RuntimeError("a batch failed")
+    assert gc.get_freeze_count() == 0
 
 
 #: UCX's keepalive off, for the test below and its prefill process (see its docstring).

@@ -1,15 +1,19 @@
 """The measuring loops of ``akv bench``: one workload against a real ``akv prefill`` process,
 every method interleaved in a Williams design (`bench_workload`), and the same-process
 workload, prefill ranks and a decode rank in this process (`same_process`).
+
+Each workload's measured batches run with the garbage collector's heap frozen (`frozen_heap`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -159,6 +163,22 @@ async def bench_workload(
             stop_prefill(proc)  # reads its summary, which can outgrow the pipe
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Run the measured batches with every object that exists now frozen (``gc.freeze``), as
+    vLLM freezes its heap once started: a collection then scans what the batches allocate, not
+    the bench process's own heap. Without it, collections of a heap grown over several
+    workloads (up to 166 ms each) fell on whichever pull was running and, since akv allocates
+    more per pull than the hand-written loop, mostly on akv's (docs/performance.md, "Garbage
+    collection in the bench"). Unfrozen afterwards: the workload's objects may go then."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 async def _measure(
     w: Workload,
     prefill_spec: Any,
@@ -236,6 +256,7 @@ async def _measure(
         for m in [*order, *extra]:
             await methods.run(m, warm, record=False)
         await anyio.sleep(0.05)  # the warm-up's background reads go out before counting starts
+        stack.enter_context(frozen_heap())  # until the workload's end
         counted = {"akv": consumers, "push": pushing}
         before = {k: [dict(c.metrics.snapshot().counters) for c in cs] for k, cs in counted.items()}
         # A lead-in, unrecorded but counted: after the pause the caches are cold and the prefill's
@@ -360,12 +381,13 @@ async def same_process(layers: int, device: str, progress: Callable[[str], None]
         runs = {"copy": (copier, "akv"), "nixl": (methods, "nixl"), "read": (methods, "akv_unchecked")}
         for who, method in runs.values():  # warm up
             await who.run(method, [(f"{reqs[0][0]}-warm", reqs[0][1], reqs[0][2])], record=False)
-        for i, batch in enumerate([r] for r in reqs):
-            for name in list(runs) if i % 2 else reversed(list(runs)):
-                who, method = runs[name]
-                moved, seconds = await who.run(method, batch, record=True)
-                totals[name][0] += moved
-                totals[name][1] += seconds
+        with frozen_heap():
+            for i, batch in enumerate([r] for r in reqs):
+                for name in list(runs) if i % 2 else reversed(list(runs)):
+                    who, method = runs[name]
+                    moved, seconds = await who.run(method, batch, record=True)
+                    totals[name][0] += moved
+                    totals[name][1] += seconds
         tg.cancel_scope.cancel()
     gbps = {m: moved / spent / 1e9 for m, (moved, spent) in totals.items()}
     return {
