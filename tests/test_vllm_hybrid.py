@@ -79,9 +79,7 @@ def vllm_choices(arch: str, inst: Instance) -> tuple[int, int, int]:
     ("Reset SSM cache type to float32"), which also raises the attention block."""
     log = inst.log.read_text(errors="replace")
     found = re.search(r"Setting attention block size to (\d+) tokens", log)
-    block = PULLED[arch][0]
-    if found:
-        block = int(found.group(1))
+    block = int(found.group(1)) if found else PULLED[arch][0]
     assert block is not None, f"no attention block size in {inst.log}"
     conv = 4 if ARCHS[arch][0] == "float32" else 2
     ssm = 4 if conv == 4 or "Reset SSM cache type to float32" in log else 2

@@ -358,11 +358,11 @@ class RankCheck:
 
     def load(self, token_hash: int) -> tuple[int, int, int] | None:
         """The request's slot, loaded from the table in shared memory (`exposure.shared_slot`;
-        only where ``words`` is set)."""
-        assert self.words is not None
-        return exposure.shared_slot(
-            self.words, token_hash, (token_hash % self.buckets) * exposure.BUCKET_WORDS
-        )
+        only where ``words`` is set: elsewhere the check READs the bucket)."""
+        words = self.words
+        if words is None:
+            raise TransferError("this prefill rank's exposure table is not in shared memory: READ its bucket")
+        return exposure.shared_slot(words, token_hash, (token_hash % self.buckets) * exposure.BUCKET_WORDS)
 
 
 class SettledRead:
