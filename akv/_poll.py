@@ -10,7 +10,13 @@ from collections.abc import Callable
 import anyio
 import anyio.lowlevel
 
-__all__ = ["Backoff", "from_threads"]
+__all__ = ["FLUSH_S", "PUSH_POLL_S", "Backoff", "from_threads"]
+
+#: Seconds a rank keeps progressing its agent after it sent notices outside a transfer (UCX
+#: sends them only while the agent progresses), on either side.
+FLUSH_S = 0.5
+#: Longest sleep of a poller while push grants may arrive or complete, on either side.
+PUSH_POLL_S = 0.0005
 
 
 def from_threads(fn: Callable[[], object]) -> Callable[[], None]:

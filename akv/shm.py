@@ -19,7 +19,7 @@ go back to the engine; a memory load sees that write no later than a READ posted
 same moment would. The check loads every slot's token before the matching slot's fingerprint
 and generation, then that token again (`akv.exposure.shared_slot`; a packed pull's
 directory entry likewise,
-`akv.runtime.paths.read.copy_bucket`), so it never pairs a token with an older exposure's
+`akv.runtime.paths.tables.copy_bucket`), so it never pairs a token with an older exposure's
 fields.
 
 A rank that packs (`akv.packing`) shares its packed-copy directory the same way

@@ -129,3 +129,71 @@ def test_the_checks_see_a_circle_and_an_upward_arrow() -> None:
     assert _circles(edges) == [["akv.a", "akv.b", "akv.c"]]
     assert _floor("akv.runtime.paths.read") < _floor("akv.runtime.session") < _floor("akv.cli.main")  # type: ignore[operator]
     assert _floor("akv.geometry.cache") == 0 and _floor("akv.bench.run") < _floor("akv.cli.main")  # type: ignore[operator]
+
+
+#: The most lines a runtime module may have (docs/architecture.md: one job a file).
+RUNTIME_LINES = 600
+#: The concrete path ops: only their own floor and the factory that builds them
+#: (`akv.runtime.routes`) may name them; the poller, the session and the transfer drive any op
+#: through `akv.runtime.paths.PathOp`.
+OP_CLASSES = {"NixlRead", "SettledRead", "PackedRead", "PushOp", "PackedPush", "LocalCopy"}
+
+
+def test_no_runtime_module_runs_over_the_size_cap() -> None:
+    """Every module under akv/runtime/ (paths included) keeps to RUNTIME_LINES lines."""
+    long = {
+        str(path.relative_to(AKV.parent)): n
+        for path in (AKV / "runtime").rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > RUNTIME_LINES
+    }
+    assert long == {}
+
+
+def _op_uses(mod: str, path: Path) -> list[str]:
+    """Where ``mod`` names a concrete path op class, asks ``isinstance`` of one, or reaches an
+    op's attribute by ``getattr``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("akv.runtime.paths"):
+            found += [f"{mod} imports {a.name}" for a in node.names if a.name in OP_CLASSES]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+            if node.func.id == "isinstance" and len(node.args) == 2:
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                found += [f"{mod} asks isinstance(..., {n})" for n in sorted(names & OP_CLASSES)]
+            first = node.args[0]
+            named_op = (isinstance(first, ast.Attribute) and first.attr == "op") or (
+                isinstance(first, ast.Name) and first.id == "op"
+            )
+            if node.func.id == "getattr" and named_op:
+                found.append(f"{mod} reaches an op by getattr")
+    return found
+
+
+def test_only_the_paths_and_their_factory_know_the_path_ops() -> None:
+    """Outside akv.runtime.paths, only akv.runtime.routes names a concrete path op class; no
+    module outside the paths floor asks isinstance of one or reaches an op by getattr: the
+    poller, session and transfer drive every path through the PathOp protocol."""
+    found = []
+    for mod, path in sorted(_modules().items()):
+        if _floor(mod) == 3:  # the paths floor itself
+            continue
+        uses = _op_uses(mod, path)
+        if mod == "akv.runtime.routes":  # it builds them: it may import them, no more
+            uses = [u for u in uses if " imports " not in u]
+        found += uses
+    assert found == []
+
+
+def test_the_op_check_sees_what_it_forbids(tmp_path: Path) -> None:
+    """The check above is not vacuous: an import of an op class, an isinstance of one and a
+    getattr on an op are each found."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from akv.runtime.paths.push import PushOp\n"
+        "def f(t):\n    return isinstance(t.op, (PushOp, int)) or getattr(t.op, 'finished', None)\n"
+    )
+    assert _op_uses("m", src) == [
+        "m imports PushOp",
+        "m asks isinstance(..., PushOp)",
+        "m reaches an op by getattr",
+    ]

@@ -21,7 +21,7 @@ from akv.backends.nixl import NixlBackend
 from akv.geometry.cache import as_cache
 from akv.geometry.layout import rank_layout
 from akv.packing import CacheViews, find, scatter
-from akv.runtime.paths.packed import WORKER_BYTES
+from akv.runtime.paths.staging import WORKER_BYTES
 from akv.testing import fill_request, json_lines, make_requests, verify_request
 from tests.conftest import Engine, decode_rank, make_spec, prefill_engine, prefill_rank, wait_for
 from tests.transfers import PULL_PAIRS, pull_every_request

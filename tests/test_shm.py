@@ -178,7 +178,7 @@ def test_a_directory_bucket_copied_while_rewritten_is_a_settled_entry_or_empty()
     stands after, never one write's generation with another's offset; a bucket that keeps
     changing reads as empty (the pull then reads the paged blocks), and a still one exactly."""
     from akv.packing import DIR_WORDS, PackDirectory, find
-    from akv.runtime.paths.packed import copy_entries
+    from akv.runtime.paths.tables import copy_entries
 
     directory = PackDirectory(1)
     assert directory.publish("r1", 7, 4096, 512)

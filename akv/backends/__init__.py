@@ -8,13 +8,15 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
     import torch
+
+    from akv.errors import TransferError
 
 __all__ = [
     "Backend",
@@ -24,6 +26,7 @@ __all__ = [
     "XferState",
     "host_is_here",
     "mem_type",
+    "poll_handles",
     "rdma_devices",
     "reads_over_tcp",
     "ucx_tcp_only",
@@ -307,3 +310,35 @@ class Reaper:
         for then, _owner, _since in held.values():
             if then is not None:
                 then()
+
+
+K = TypeVar("K")
+
+
+class Polled(NamedTuple):
+    """What one `poll_handles` found: whether any handle finished, and the first one NIXL
+    reported in error (``(handle, its key, the error)``), None if none was."""
+
+    changed: bool
+    failed: tuple[XferHandle, Any, TransferError] | None = None
+
+
+def poll_handles(backend: Backend, reaper: Reaper, pending: dict[XferHandle, K]) -> Polled:
+    """Poll each transfer of ``pending`` (handle -> its key, e.g. the prefill rank) once: those
+    DONE are released (``reaper.drop(..., done=True)``: NIXL is not asked again) and taken
+    out; the first in error stops the poll and stays in ``pending`` (its owner hands it to the
+    reaper, finished: nothing more of it lands)."""
+    from akv.errors import TransferError
+
+    changed = False
+    state = backend.state
+    for handle, key in list(pending.items()):
+        try:
+            done = state(handle) == "DONE"
+        except TransferError as exc:
+            return Polled(changed, (handle, key, exc))
+        if done:
+            del pending[handle]
+            reaper.drop(handle, done=True)
+            changed = True
+    return Polled(changed)

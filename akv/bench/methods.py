@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from akv.bench.workloads import Figures
-from akv.runtime.paths.read import NixlRead, SettledRead
 from akv.runtime.transfer import PullRequest
 
 __all__ = ["Methods", "cuda_count", "cuda_index", "torch_index"]
@@ -123,15 +122,14 @@ class Methods:
             if record and checked:
                 self.fig.descriptors_submitted += res.descriptors
                 self.fig.paths[res.path] = self.fig.paths.get(res.path, 0) + 1
+                stages = t.op.stages
                 if res.path == "packed":
-                    self.fig.lookup_s += t.op.lookup_s
-                    self.fig.read_s += t.op.read_s
-                    self.fig.unpack_s += t.op.scatter_s
-                elif res.path == "read":  # a direct read, or a packed pull's fallback to one
-                    read = getattr(t.op, "fallback", None) or t.op
-                    if isinstance(read, (NixlRead, SettledRead)):
-                        self.fig.data_ms.append(read.data_s * 1e3)
-                        self.fig.check_s += read.check_s
+                    self.fig.lookup_s += stages["lookup"]
+                    self.fig.read_s += stages["read"]
+                    self.fig.unpack_s += stages["scatter"]
+                elif res.path == "read" and "data" in stages:  # a direct read, or a packed pull's fallback
+                    self.fig.data_ms.append(stages["data"] * 1e3)
+                    self.fig.check_s += stages["check"]
         seconds = time.perf_counter() - t0
         if record:
             latency.extend([seconds * 1e3] * len(batch))

@@ -8,7 +8,7 @@ handshook as that decode rank):
   blocks (``local_ids``, ``remote_ids``, ``num_tokens``: exactly a `PullRequest`'s fields);
   writes are granted under ``grant``, a random id unique to this pull. With ``staging``
   (packed push), a writer that keeps a packed copy of the request writes it there instead,
-  at the offsets both sides derive from the pull (`akv.runtime.paths.packed.plan_runs`),
+  at the offsets both sides derive from the pull (`akv.pack_layout.plan_runs`),
   and the decode rank scatters it into the blocks.
 * ``stop``: the grant is withdrawn (the pull was cancelled, timed out or lost a writer):
   post nothing more for it and confirm with ``stopped`` once nothing posted can still land.
@@ -33,17 +33,18 @@ import msgspec
 from akv.errors import ProtocolError
 from akv.protocol.messages import MAX_LIST, Name, TpRank, TpSize
 
-__all__ = ["PushNotice", "decode_push", "encode_push", "is_push"]
+__all__ = ["PushNotice", "decode_push", "encode_push", "is_push", "reply"]
 
 _MAGIC = b"akvP"
 
 Ids = Annotated[list[int], msgspec.Meta(max_length=MAX_LIST)]
+Kind = Literal["announce", "stop", "bye", "pushed", "stopped", "failed"]
 
 
 class PushNotice(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     """One push-mode notice (see the module)."""
 
-    kind: Literal["announce", "stop", "bye", "pushed", "stopped", "failed"]
+    kind: Kind
     engine_id: Name  # the decode engine
     decode_rank: TpRank
     decode_tp: TpSize
@@ -61,6 +62,27 @@ class PushNotice(msgspec.Struct, frozen=True, array_like=True, kw_only=True):
     # "announce" (appended): where in the decode rank's staging area the writers put their
     # packed copies (0: write the paged blocks); "pushed": code "packed" says the writer did
     staging: int = 0
+
+
+def reply(
+    notice: PushNotice, kind: Kind, *, prefill_rank: int = -1, code: str = "", message: str = ""
+) -> PushNotice:
+    """A notice of ``kind`` about the grant ``notice`` names: the same decode rank, request,
+    grant and generation (a decode rank's ``stop`` of its announcement; a writer's
+    ``pushed``, ``stopped`` or ``failed``, with its ``prefill_rank``, ``code`` and
+    ``message``, cut to the field's bound)."""
+    return PushNotice(
+        kind=kind,
+        engine_id=notice.engine_id,
+        decode_rank=notice.decode_rank,
+        decode_tp=notice.decode_tp,
+        request_id=notice.request_id,
+        grant=notice.grant,
+        generation=notice.generation,
+        prefill_rank=prefill_rank,
+        code=code,
+        message=message[:1024],
+    )
 
 
 _decoder = msgspec.msgpack.Decoder(PushNotice)

@@ -37,9 +37,9 @@ from akv.runtime.paths.packed import (
     AUTO_RUN_BYTES,
     DEVICE_AUTO_DESCRIPTORS,
     DEVICE_AUTO_RUN_BYTES,
-    StagingPool,
 )
-from akv.runtime.paths.read import CheckPool
+from akv.runtime.paths.staging import StagingPool
+from akv.runtime.paths.tables import SlotPool
 from akv.runtime.poller import PullPoller
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.runtime.session import TransferSession
@@ -230,7 +230,7 @@ class Consumer(RankBase):
         self._metadata: bytes | None = None
         self.mem_type, device = mem_type(self.kv_caches)
         self.memory = RankMemory(tp_rank, tp_size, tuple(t.data_ptr() for t in self.kv_caches), device)
-        self.checks = CheckPool(max_checks)
+        self.checks = SlotPool(max_checks)
         self.transfer = check_transfer(transfer)
         on_device = self.mem_type != "DRAM"
         if pack_threshold is None:
@@ -243,7 +243,7 @@ class Consumer(RankBase):
             raise ConfigError(f"pack_staging_bytes must be >= 256, got {pack_staging_bytes}")
         self.pack_staging_bytes = pack_staging_bytes
         self.staging: StagingPool | None = None  # set up with the first prefill rank that packs
-        self.directories: CheckPool | None = None
+        self.directories: SlotPool | None = None
         self.pack_views = CacheViews(self.kv_caches, rank_layout(self.cache, tp_rank, tp_size))
         self._max_checks = max_checks
         self._packing = anyio.Lock()
@@ -284,7 +284,7 @@ class Consumer(RankBase):
                 return
             staging = StagingPool(self.pack_staging_bytes, self.kv_caches[0], self.copy_with)
             staging.wake = from_threads(self._backoff.wake)
-            directories = CheckPool(self._max_checks, DIR_WORDS)
+            directories = SlotPool(self._max_checks, DIR_WORDS)
             backend = self.backend
             await anyio.to_thread.run_sync(backend.register, [staging.tensor])
             await anyio.to_thread.run_sync(backend.register_host, directories.array)
@@ -329,7 +329,7 @@ class Consumer(RankBase):
         poller.close(backend)
         for session in list(self._sessions.values()):
             session.closed = True
-            session.remote.unload()
+            session.engine.unload()
         self._sessions.clear()
         if self.staging is not None:
             self.staging.close()

@@ -5,8 +5,9 @@ launch: discovery (the bootstrap, a rank list, etcd), the handshakes and the ide
 (one engine, one incarnation), loading each rank's agent and exposure table, the transfer plan
 and its prepared lists, re-linking a lost rank alone, and the notices a rank gets outside a
 pull (done, extend, bye). Running pulls is `akv.runtime.session`'s; this module reaches its
-decode rank only through `DecodeRank` and the poller's notice bookkeeping, and tells the
-session about a rank it lost through the ``on_lost`` callable it is handed.
+decode rank only through `DecodeRank`, and tells the
+session about a rank it lost through the ``on_lost`` callable it is handed; the notices it
+sends report the ranks they reached, for the caller to hand to the poller.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
-import numpy as np
 
-from akv import exposure, shm
 from akv.errors import (
     AkvError,
     BackPressureError,
@@ -41,13 +40,11 @@ from akv.runtime.finder import EngineFinder
 from akv.runtime.local import LocalRank
 from akv.runtime.paths import packed
 from akv.runtime.paths.copy import CopyPlan
-from akv.runtime.paths.read import RankCheck
+from akv.runtime.paths.tables import RemoteTable
 from akv.runtime.rank import DecodeRank
 
 if TYPE_CHECKING:
     from akv.metrics import Metrics
-    from akv.runtime.poller import PullPoller
-    from akv.runtime.transfer import PullOwner
 
 __all__ = ["EngineLinks", "RankLink"]
 
@@ -59,12 +56,12 @@ class RankLink:
     rank: int
     info: RankInfo
     agent: str
-    check: RankCheck | None = None  # its exposure table, prepared
+    check: RemoteTable | None = None  # its exposure table, prepared
     local: LocalRank | None = None  # the rank itself, if it lives in this process
     broken: bool = False
     loading: anyio.Event | None = None
     dropped: bool = False  # its reference to the remote agent was given back
-    directory: RankCheck | None = None  # its packed-copy directory, prepared (akv.packing)
+    directory: RemoteTable | None = None  # its packed-copy directory, prepared (akv.packing)
 
 
 class EngineLinks:
@@ -72,9 +69,7 @@ class EngineLinks:
 
     Args:
         rank: the decode rank.
-        poller: its poller (notices sent are flushed behind by it).
         address: the engine's address.
-        owner: the session these links serve (named to the poller with its notices).
         on_lost: called with a rank and the error when a rank's link is reset: the pulls
             waiting on reads from it fail with that error.
         log: the session's logger.
@@ -83,15 +78,11 @@ class EngineLinks:
     def __init__(
         self,
         rank: DecodeRank,
-        poller: PullPoller,
         address: EngineAddress,
-        owner: PullOwner,
         on_lost: Callable[[int, AkvError], None],
         log: Any,
     ) -> None:
         self.rank = rank
-        self._poller = poller
-        self._owner = owner
         self._on_lost = on_lost
         self.metrics: Metrics = rank.metrics
         self.log = log
@@ -118,6 +109,11 @@ class EngineLinks:
     def mode(self) -> str:
         """``"pull"`` or ``"push"`` (for a rank in ``"auto"``, ``"pull"`` until chosen at the first handshake)."""
         return self.finder.mode or "pull"
+
+    @property
+    def staging_sent(self) -> bool:
+        """Push mode: whether the Hellos sent named this rank's staging area (packed push)."""
+        return self.finder.staging_sent
 
     @property
     def remote_engine_id(self) -> str:
@@ -242,7 +238,7 @@ class EngineLinks:
 
     def _link_blocking(self, infos: dict[int, RankInfo]) -> dict[int, RankLink]:
         backend = self.rank.backend
-        bucket_bytes = exposure.SLOTS * exposure.SLOT_WORDS * 8
+        shared = self.rank.check_with == "auto"
         out: dict[int, RankLink] = {}
         try:
             for rank, info in infos.items():
@@ -251,21 +247,9 @@ class EngineLinks:
                     link.local = local.find(info)
                 backend.connect(link.agent)  # so the first pull does not pay for wire-up
                 if self.rank.verify_exposure:
-                    table = np.array(
-                        [[info.exposure_addr, bucket_bytes, 0, bucket_bytes, info.exposure_buckets]],
-                        dtype=np.int64,
-                    )
-                    shape = (info.exposure_buckets, exposure.SLOTS, exposure.SLOT_WORDS)
-                    mapped = (
-                        shm.open_table(info.exposure_share, shape) if self.rank.check_with == "auto" else None
-                    )
-                    link.check = RankCheck(
-                        backend.prep(link.agent, table, "DRAM"), info.exposure_buckets, mapped
-                    )
+                    link.check = RemoteTable.of_exposures(backend, link.agent, info, shared=shared)
                 if info.pack is not None and self.rank.staging is not None and self.mode != "push":
-                    link.directory = packed.directory_check(
-                        backend, link.agent, info.pack, shared=self.rank.check_with == "auto"
-                    )
+                    link.directory = RemoteTable.of_directory(backend, link.agent, info.pack, shared=shared)
         except BaseException:
             for link in out.values():
                 self._drop(link)
@@ -388,10 +372,11 @@ class EngineLinks:
             if link is not None:
                 self._drop(link)
 
-    def notify(self, ranks: Sequence[int], notice: bytes) -> None:
+    def notify(self, ranks: Sequence[int], notice: bytes) -> list[int]:
         """Send a notice to prefill ranks (handed over directly to ranks of this process); a
-        failure only logs (the rank releases by lease)."""
-        sent_nixl = False
+        failure only logs (the rank releases by lease). Returns the ranks it reached over
+        NIXL (the poller flushes behind them, and progresses the agent while they leave)."""
+        reached: list[int] = []
         for rank in ranks:
             try:
                 link = self.links[rank]
@@ -400,8 +385,7 @@ class EngineLinks:
                     here.deliver(self.rank.backend.name, notice)
                 else:
                     self.rank.backend.notify(link.agent, notice)
-                    self._poller.noticed(self._owner, [rank])
-                    sent_nixl = True
+                    reached.append(rank)
                 self.metrics.inc("notifications_sent")
             except (AkvError, KeyError) as exc:
                 self.log.warning(
@@ -409,14 +393,14 @@ class EngineLinks:
                     prefill_rank=rank,
                     error=str(exc),
                 )
-        if sent_nixl:
-            self._poller.flush_notices()
+        return reached
 
-    def say_bye(self) -> None:
-        """Push mode: tell the prefill ranks to forget this decode rank's agent."""
+    def say_bye(self) -> bool:
+        """Push mode: tell the prefill ranks to forget this decode rank's agent; True if a
+        notice went out (it leaves while the agent progresses)."""
         c = self.rank
         if self.mode != "push" or c.backend_or_none is None:
-            return
+            return False
         bye = encode_push(
             PushNotice(kind="bye", engine_id=c.engine_id, decode_rank=c.tp_rank, decode_tp=c.tp_size)
         )
@@ -424,14 +408,15 @@ class EngineLinks:
             if not link.dropped:
                 with contextlib.suppress(AkvError):
                     c.backend.notify(link.agent, bye)
-        self._poller.flush_notices()
+        return True
 
-    def extend(self, request_ids: Sequence[str]) -> None:
-        """Send "extend" notices for ``request_ids`` to every prefill rank this rank notifies."""
+    def extend(self, request_ids: Sequence[str]) -> list[int]:
+        """Send "extend" notices for ``request_ids`` to every prefill rank this rank notifies;
+        returns the ranks reached over NIXL."""
         if not request_ids or self.plan is None:
-            return
+            return []
         c = self.rank
-        self.notify(
+        return self.notify(
             self.plan.notify,
             encode_notice(Notice("extend", c.engine_id, c.tp_rank, c.tp_size, list(request_ids))),
         )
@@ -461,7 +446,7 @@ class EngineLinks:
             plan = self.plan
         return plan
 
-    def flush_check(self, rank: int) -> RankCheck | None:
+    def flush_check(self, rank: int) -> RemoteTable | None:
         """The exposure-check list of ``rank`` to flush notices behind (None: not linked, or broken)."""
         link = self.links.get(rank)
         if link is None or link.check is None or link.broken:

@@ -1,5 +1,6 @@
 """The prefill side of packed transfers: a bounded staging pool registered once, filled at
-``expose()`` with a request-major copy of the request (see `akv.packing`).
+``expose()`` with a request-major copy of the request (see `akv.packing`), and each copy's
+life from exposure to release (`PackLifecycle`).
 
 Pool full (or the request's directory bucket full): the request is not packed, it is read
 directly from the paged blocks (counted as ``pack_fallbacks``, logged); a decode rank that
@@ -10,7 +11,7 @@ when its exposure is released (read, lease expiry, close), after the exposure wa
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -21,13 +22,18 @@ from akv.errors import ConfigError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import rank_layout
 from akv.kernels import RunCopier
+from akv.ledger import Release
 from akv.packing import Arena, CacheViews, PackDirectory, gather, gather_segment, sections
 from akv.protocol.messages import PackInfo
+from akv.runtime.pusher import PackedCopy
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TRANSFERS", "Packer", "TransferMode", "check_transfer", "fragmented"]
+    from akv.ledger import ReleaseLedger
+    from akv.metrics import Metrics
+
+__all__ = ["TRANSFERS", "PackLifecycle", "Packer", "TransferMode", "check_transfer", "fragmented"]
 
 TransferMode = Literal["auto", "direct", "packed"]
 TRANSFERS: tuple[TransferMode, ...] = ("auto", "direct", "packed")
@@ -221,3 +227,143 @@ class _null:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+class PackLifecycle:
+    """An exposed request's packed copy from ``expose()`` to its release, on one prefill rank:
+    packed at once, or once its last layer is computed (push mode); published once its
+    device gather is done; with ``release_after_pack`` its paged blocks handed back as soon as
+    it is published; its slot freed exactly once, when its exposure is retired.
+
+    ``ledger``: the rank's (the requests still exposed); ``ready``: called with a request
+    whose copy was published or found no room (packed pushes waiting for it go on);
+    ``deliver``: hands releases to the engine (an early ``"packed"`` one here)."""
+
+    def __init__(
+        self,
+        packer: Packer,
+        *,
+        ledger: ReleaseLedger,
+        metrics: Metrics,
+        log: Any,
+        ready: Callable[[str], None],
+        deliver: Callable[[list[Release]], None],
+    ) -> None:
+        self.packer = packer
+        self.ledger = ledger
+        self.metrics = metrics
+        self.log = log
+        self._ready = ready
+        self._deliver = deliver
+        self._early: set[str] = set()  # released to the engine after packing, still exposed
+        self._gathering: dict[str, npt.NDArray[np.int32]] = {}  # packs queued on the device
+        # exposed with layers still to compute: packed once the last one is ready
+        self._later: dict[str, tuple[Sequence[npt.NDArray[np.int32]], npt.NDArray[np.int32], int]] = {}
+
+    @property
+    def busy(self) -> bool:
+        """True while gathers are queued on the device (the poller spins: microseconds)."""
+        return bool(self.packer.pending or self.packer.freeing)
+
+    def exposed(
+        self,
+        request_id: str,
+        per_group: Sequence[npt.NDArray[np.int32]],
+        ids: npt.NDArray[np.int32],
+        generation: int,
+        complete: bool,
+    ) -> None:
+        """A request was exposed: pack it now if every layer is computed (``complete``),
+        else once `computed` says so (until then it is read directly)."""
+        if complete:
+            self._pack(request_id, per_group, ids, generation)
+        else:
+            self._later[request_id] = (per_group, ids, generation)
+
+    def computed(self, request_id: str) -> None:
+        """Every layer of an exposed request is computed: pack it if it waited for that."""
+        later = self._later.pop(request_id, None)
+        if later is not None:
+            self._pack(request_id, *later)
+
+    def _pack(
+        self,
+        request_id: str,
+        per_group: Sequence[npt.NDArray[np.int32]],
+        ids: npt.NDArray[np.int32],
+        generation: int,
+    ) -> None:
+        """Pack an exposed request (fall back to direct reads when the pool is full)."""
+        packer = self.packer
+        try:
+            packed = packer.pack(request_id, per_group, generation)
+        except Exception as exc:  # e.g. out of device memory: this request is read directly
+            self.log.warning(
+                "packing failed: the request is read directly", request=request_id, error=str(exc)
+            )
+            packed = False
+        if not packed:
+            self._packed(request_id, ids, False)
+        elif request_id in packer.pending:  # published once its gather is done (settle)
+            self._gathering[request_id] = ids
+        else:
+            self._packed(request_id, ids, True)
+
+    def _packed(self, request_id: str, ids: npt.NDArray[np.int32], packed: bool) -> None:
+        """A request's packed copy is published (or it has none); with
+        ``release_after_pack``, hand its blocks back now."""
+        self._ready(request_id)  # packed pushes waiting for the copy go on
+        if not packed:
+            self.metrics.inc("pack_fallbacks")
+            self.log.info("no packed copy (pool full): the request is read directly", request=request_id)
+            return
+        self.metrics.inc("packed")
+        if self.packer.early:
+            self.ledger.table.mark_packed(request_id)  # before the blocks go back: direct reads now fail
+            self._early.add(request_id)
+            cache = self.packer.cache
+            groups = cache.split(ids) if len(cache.groups) > 1 else None
+            self._deliver([Release(request_id, ids, "packed", 0, None, groups)])
+
+    def settle(self) -> bool:
+        """Publish the packed copies whose gather finished on the device; True if any did."""
+        if not self.busy:
+            return False
+        done = self.packer.settle()
+        for request_id, published in done:
+            ids = self._gathering.pop(request_id, None)
+            if ids is not None and request_id in self.ledger:
+                self._packed(request_id, ids, published)
+        return bool(done)
+
+    def copy_of(self, request_id: str, info: PackInfo | None) -> PackedCopy | Literal["pending"] | None:
+        """Where the published copy of a request is in registered memory (``info``: this
+        rank's pool as its handshake announces it); ``"pending"`` while its gather is queued
+        on the device; None if it has none."""
+        found = self.packer.copy_of(request_id)
+        if found is None or found == "pending":
+            return found
+        if info is None:  # pragma: no cover - a rank with a packer announces its pool
+            return None
+        generation, offset, nbytes = found
+        return PackedCopy(info.pool_addr + offset, nbytes, generation, info.mem_type, info.device_id)
+
+    def released(self, releases: list[Release], retire: bool) -> list[Release]:
+        """Releases about to be delivered: nothing waits to be packed for them any more;
+        ``retire`` (their exposure is retired): free their slots (once), and keep back the
+        releases of requests whose blocks went back early (counted instead)."""
+        for release in releases:
+            self._later.pop(release.request_id, None)
+        if not retire:
+            return releases
+        kept = []
+        for release in releases:
+            rid = release.request_id
+            self.packer.drop(rid)
+            self._gathering.pop(rid, None)
+            if rid in self._early:  # its blocks went back after packing
+                self._early.discard(rid)
+                self.metrics.inc(f"pack_released_{release.reason}")
+                continue
+            kept.append(release)
+        return kept

@@ -12,27 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from akv._poll import FLUSH_S, PUSH_POLL_S
 from akv.backends import Reaper
 from akv.errors import (
     AkvError,
     BackendError,
     ClosedError,
     PeerLostError,
-    ProtocolError,
     TransferTimeout,
     UnsafeReadError,
 )
-from akv.protocol.push import decode_push
+from akv.runtime.grants import Grants
 from akv.runtime.paths import Failed, Pending
-from akv.runtime.paths.push import PushOp
-from akv.runtime.paths.read import CheckBatcher, CheckPool, flush_after_notice
+from akv.runtime.paths.tables import CheckBatcher, SlotPool, flush_after_notice
 from akv.runtime.transfer import PullOwner, Transfer
 from akv.tracker import TransferTracker
 
@@ -41,18 +39,8 @@ if TYPE_CHECKING:
     from akv.backends import Backend
     from akv.metrics import Metrics
 
-__all__ = [
-    "FLUSH_DELAY_S",
-    "FLUSH_S",
-    "NOTICE_GRACE_S",
-    "PUSH_POLL_S",
-    "REAP_EVERY_S",
-    "REAP_S",
-    "PullPoller",
-]
+__all__ = ["FLUSH_DELAY_S", "NOTICE_GRACE_S", "REAP_EVERY_S", "REAP_S", "PullPoller"]
 
-#: Seconds the poller keeps progressing the agent after standalone notices were sent.
-FLUSH_S = 0.5
 #: Seconds a closing decode rank waits for the background READs carrying its last notices.
 NOTICE_GRACE_S = 1.0
 #: Seconds a notice waits for its flush READ (see `PullPoller.noticed`): a direct read posted
@@ -60,8 +48,6 @@ NOTICE_GRACE_S = 1.0
 FLUSH_DELAY_S = 0.001
 #: Seconds a due flush READ is put off while a READ carrying notices is still running.
 FLUSH_RETRY_S = 0.0005
-#: Longest sleep of the poller while push pulls are in flight.
-PUSH_POLL_S = 0.0005
 #: Seconds after a timed-out pull during which the idle poller still progresses the agent
 #: (every REAP_EVERY_S), so UCX frees the operations to a hung peer once it dies or resumes.
 REAP_S, REAP_EVERY_S = 120.0, 0.25
@@ -88,7 +74,7 @@ class PullPoller:
         *,
         agent: Callable[[], Backend],
         mode: str,
-        checks: CheckPool,
+        checks: SlotPool,
         metrics: Metrics,
         log: Any,
         backoff: Backoff,
@@ -107,12 +93,12 @@ class PullPoller:
         self.stop_grace_s = stop_grace_s
         self._replace_agent = replace_agent
         self.closed = False
-        self._grants: dict[int, Transfer] = {}  # push: grant id -> its pull, until settled
-        self._stopping: dict[Transfer, tuple[AkvError, float]] = {}  # failed pushes, writers not stopped yet
-        # failed pushes past their grace whose writers stay silent: settled by the agent's replacement
-        self._cut: set[Transfer] = set()
+        self.grants = Grants(
+            agent=agent, metrics=metrics, log=log, stop_grace_s=stop_grace_s, wake=backoff.wake
+        )
         self._closing = False  # the rank is closing: its agent goes with it, none is replaced
         self._tracker = TransferTracker()
+        self._running: dict[PullOwner, set[Transfer]] = {}  # the pulls tracked, by session
         self._reaper: Reaper | None = None
         self._flush_until = 0.0
         self._reap_until = 0.0
@@ -150,7 +136,7 @@ class PullPoller:
 
     def quarantined(self) -> set[Transfer]:
         """The failed pulls whose reads or pushes may still land (until the agent is gone)."""
-        return set(self._settling) | set(self._stopping)
+        return set(self._settling) | set(self.grants.stopping)
 
     def lingering(self, now: float) -> bool:
         """True while notices are still to leave, or operations to a lost peer to be retired."""
@@ -161,17 +147,13 @@ class PullPoller:
         everything. Push writers not confirmed yet are cut when the agent closes; failed pulls
         whose reads may still land settle only once ``backend`` is closed here."""
         self.closed = True
-        held = self._settling or self._stopping or (self._reaper is not None and len(self._reaper))
+        held = self._settling or self.grants.stopping or (self._reaper is not None and len(self._reaper))
         if held and backend is not None:
             backend.close()  # nothing of the failed pulls can land once the agent is destroyed
             if self._reaper is not None:
                 self._reaper.abandon()  # drops their handles: the agent goes with the last one
-        for transfer, (error, _) in list(self._stopping.items()):  # reported once the agent is gone
-            self.metrics.inc("push_stops_unconfirmed")
-            transfer.finish(error)
-        self._stopping.clear()
-        self._cut.clear()
-        self._grants.clear()
+        self.grants.finish(unconfirmed=True)  # reported once the agent is gone
+        self.grants.by_id.clear()
         self.finish_settled(everything=True)
 
     def release_agent(self) -> None:
@@ -200,8 +182,8 @@ class PullPoller:
         their writers stopped, while the poller still runs. Reads are left to the close (it
         destroys the agent), so no agent is replaced on the way out."""
         self._closing = True  # writers still silent are cut by the close (it destroys the agent)
-        pushes = [t for _state, t in self._tracker if isinstance(t.op, PushOp)]
-        pushes += [t for t in self._stopping if t not in pushes]
+        pushes = [t for _state, t in self._tracker if t.op.grant]
+        pushes += [t for t in self.grants.stopping if t not in pushes]
         if not pushes:
             return
         with anyio.CancelScope(shield=True):
@@ -220,6 +202,19 @@ class PullPoller:
         """Pulls launched and not yet settled."""
         return len(self._tracker)
 
+    def running(self, owner: PullOwner) -> list[Transfer]:
+        """The pulls of ``owner`` launched and not yet reported (failed ones still settling
+        are not among them)."""
+        return list(self._running.get(owner, ()))
+
+    def _untrack(self, transfer: Transfer) -> None:
+        self._tracker.discard(transfer.state)
+        running = self._running.get(transfer.session)
+        if running is not None:
+            running.discard(transfer)
+            if not running:
+                del self._running[transfer.session]
+
     @property
     def reaper(self) -> Reaper:
         """Releases transfer handles, now or once NIXL can (valid while the rank runs)."""
@@ -229,23 +224,20 @@ class PullPoller:
 
     def new_grant(self) -> int:
         """A fresh push grant id (random, never 0, not in use)."""
-        while True:
-            grant = secrets.randbits(62) + 1
-            if grant not in self._grants:
-                return grant
+        return self.grants.new_id()
 
     def track(self, transfer: Transfer) -> None:
         """Take a launched pull (polled once right away: shared-memory reads are often done
         by the time they are posted)."""
         op = transfer.op
         self._tracker.add(transfer.state, transfer)
-        if isinstance(op, PushOp):
-            self._grants[op.grant] = transfer
+        self._running.setdefault(transfer.session, set()).add(transfer)
+        self.grants.add(transfer)
         now = time.monotonic()
         self._launched += 1
-        if self._unflushed and op.path in ("read", "packed"):
+        if self._unflushed and op.reads:
             self._flushed_behind(transfer.session, op.ranks)
-        self._check(transfer, now)
+        self._poll_transfer(transfer, now)
         if self._batched and self._inline:
             self._post_checks(now)
         if not transfer.done():
@@ -270,9 +262,9 @@ class PullPoller:
     def completed(self, transfer: Transfer, notified: Collection[int]) -> None:
         """Settle a read pull that finished where it was launched, never tracked (after
         `launched`): its "done" notice went to ``notified`` (queued in the batcher already);
-        the rest as `_check` and `_complete` do for a tracked pull."""
+        the rest as `_poll_transfer` and `_complete` do for a tracked pull."""
         if notified:
-            transfer.notified = True
+            transfer.noticed = True
             self.noticed(transfer.session, notified)
         self._complete(transfer)
         if self._batched and self._inline:
@@ -288,10 +280,18 @@ class PullPoller:
         self._flush_until = time.monotonic() + FLUSH_S
         self._backoff.wake()
 
+    def sent(self, owner: PullOwner, ranks: Collection[int]) -> None:
+        """Notices of ``owner`` reached these prefill ranks over NIXL outside a transfer
+        (what `PullOwner.notify` and `PullOwner.extend` return): flush behind them, and keep
+        progressing the agent while they leave."""
+        if ranks:
+            self.noticed(owner, ranks)
+            self.flush_notices()
+
     def noticed(self, owner: PullOwner, ranks: Collection[int]) -> None:
         """Notices went to these prefill ranks over NIXL: the poller flushes behind them, one
         background READ per rank however many notices it got (see
-        `akv.runtime.paths.read.flush_after_notice`), once `FLUSH_DELAY_S` passed without a
+        `akv.runtime.paths.tables.flush_after_notice`), once `FLUSH_DELAY_S` passed without a
         direct or packed pull of ``owner`` reading from the rank (whose first READs flush behind
         them as well: pulls back to back post no flush READ)."""
         now = time.monotonic()
@@ -303,7 +303,7 @@ class PullPoller:
         """Push mode: progress the agent now (a notice just queued goes out), dispatching
         what arrived."""
         try:
-            self._drain()
+            self.grants.drain()
         except BackendError as exc:  # pragma: no cover - defensive: the poller tries again
             self.log.warning("draining notifications failed", error=str(exc))
 
@@ -311,14 +311,13 @@ class PullPoller:
         """Fail a pull: stop its transfer and settle it with ``error`` once nothing it started
         can still write into its blocks: at once, unless NIXL still reports reads running (see
         ``settle_timeout``) or push writers have not confirmed they stopped (see
-        ``stop_grace_s`` and `_settle_pushes`)."""
+        ``stop_grace_s`` and `Grants.settle`)."""
         if transfer in self._settling:
             return
         transfer.op.abort()
         was_done = transfer.done() or transfer.state.finished
         transfer.state.fail()
-        self._tracker.discard(transfer.state)
-        transfer.session.transfers.discard(transfer)
+        self._untrack(transfer)
         if isinstance(error, (TransferTimeout, PeerLostError)):
             # Operations to a hung or lost peer stay pending in UCX (releasing a handle does not
             # cancel them) until the peer dies or resumes *and* this agent progresses: keep reaping.
@@ -332,12 +331,10 @@ class PullPoller:
             self._settling[transfer] = error  # settled by the poller (see settle_timeout)
             self._backoff.wake()
             return
-        if isinstance(transfer.op, PushOp) and not transfer.op.settled:
-            if transfer not in self._stopping:
-                self._stopping[transfer] = (error, time.monotonic() + self.stop_grace_s)
-            self._backoff.wake()
+        if not transfer.op.settled:
+            self.grants.hold(transfer, error, time.monotonic())
             return
-        self._forget_grant(transfer)
+        self.grants.forget(transfer)
         transfer.finish(error)
 
     async def settle(self, op: object) -> None:
@@ -357,7 +354,7 @@ class PullPoller:
         reads can still land (see ``settle_timeout``), and every push writer confirmed it
         stopped, or was cut off (see ``stop_grace_s``)."""
         while waiting := [
-            t for t in (*self._stopping, *self._settling) if owner is None or t.session is owner
+            t for t in (*self.grants.stopping, *self._settling) if owner is None or t.session is owner
         ]:
             running = [t for t in waiting if not t.done()]
             if not running:  # reported, not forgotten yet: look again shortly
@@ -370,12 +367,7 @@ class PullPoller:
         """Report the failed pulls nothing of which can land any more (``everything``: all of
         them, or all ``among`` these, whose agent is gone: failed pushes too)."""
         if everything:
-            for transfer, (error, _) in list(self._stopping.items()):
-                if among is None or transfer in among:
-                    del self._stopping[transfer]
-                    self._cut.discard(transfer)
-                    self._forget_grant(transfer)
-                    transfer.finish(error)
+            self.grants.finish(among)
         reaper = self._reaper
         for transfer, error in list(self._settling.items()):
             if among is not None and transfer not in among:
@@ -406,7 +398,11 @@ class PullPoller:
         for key in due:
             del self._unflushed[key]
         for owner, rank in due:
-            check = None if owner.closed else owner.flush_check(rank)
+            # none while a pull of the session has yet to send its notice: the prefill rank's
+            # poller is busy until then, so it acknowledges at once; that pull is noticed in turn
+            if owner.closed or any(not t.noticed for t in self._running.get(owner, ())):
+                continue
+            check = owner.flush_check(rank)
             if check is not None:
                 flush_after_notice(self._agent(), self.reaper, self.checks, check)
                 self.metrics.inc("xfers_flush")
@@ -421,85 +417,26 @@ class PullPoller:
             return
         for transfer in batched:
             try:
-                self._check(transfer, now)
+                self._poll_transfer(transfer, now)
             except BackendError as exc:  # pragma: no cover - defensive: keep polling
                 self.fail(transfer, exc)
 
-    def _forget_grant(self, transfer: Transfer) -> None:
-        if isinstance(transfer.op, PushOp) and self._grants.get(transfer.op.grant) is transfer:
-            del self._grants[transfer.op.grant]
-
-    def _settle_pushes(self, now: float) -> None:
-        """Settle failed push pulls whose writers all stopped. Past the grace period, a writer
-        that did not confirm may still send WRITEs (over TCP, removing its agent does not stop
-        data it already queued): the pull settles only once this rank's agent, whose worker
-        and registrations those WRITEs target, is replaced (see `run`). An agent this rank may
-        not replace (handed in): the silent writers' agents are removed and the pull settles."""
-        for transfer, (error, deadline) in list(self._stopping.items()):
-            op = transfer.op
-            if isinstance(op, PushOp) and not op.settled:
-                if now < deadline or transfer in self._cut or self._closing:
-                    continue  # the close destroys the agent before it reports them
-                silent = op.unconfirmed
-                self.metrics.inc("push_stops_unconfirmed")
-                if self._replace_agent is not None:
-                    self.log.warning(
-                        "push writers did not confirm they stopped: replacing this rank's NIXL agent "
-                        "before the pull is reported, so nothing they still send can land",
-                        request=transfer.request_id,
-                        prefill_ranks=silent,
-                    )
-                    self._cut.add(transfer)
-                    self._backoff.wake()
-                    continue
-                self.log.warning(
-                    "push writers did not confirm they stopped, and this rank's NIXL agent was handed "
-                    "in (it is never replaced): their agents are removed; over TCP, WRITEs they already "
-                    "queued may still land",
-                    request=transfer.request_id,
-                    prefill_ranks=silent,
-                )
-                transfer.session.invalidate(silent)
-            del self._stopping[transfer]
-            self._cut.discard(transfer)
-            self._forget_grant(transfer)
-            transfer.finish(error)
-
-    def _drain(self) -> bool:
-        """Push mode: take the writers' notices, each to the pull it is bound to; anything
-        else (late, unknown, repeated, from another agent) is dropped and counted."""
-        notifs = self._agent().notifications()
-        for agent, messages in notifs.items():
-            for raw in messages:
-                try:
-                    notice = decode_push(raw)
-                except ProtocolError:
-                    self.metrics.inc("push_notices_dropped")
-                    continue
-                self.metrics.inc("push_notices_received")
-                transfer = self._grants.get(notice.grant)
-                op = transfer.op if transfer is not None else None
-                if not isinstance(op, PushOp) or not op.on_notice(agent, notice):
-                    self.metrics.inc("push_notices_dropped")
-        return bool(notifs)
-
     def _complete(self, transfer: Transfer) -> None:
         session = transfer.session
-        self._tracker.discard(transfer.state)
-        session.transfers.discard(transfer)
-        if self._grants:
-            self._forget_grant(transfer)
+        self._untrack(transfer)
+        if self.grants.by_id:
+            self.grants.forget(transfer)
         # Reads carry their own notification; the other ranks (all, if nothing was read) get one now.
         if transfer.notify:
-            session.notify(transfer.notify, transfer.notice)
+            self.sent(session, session.notify(transfer.notify, transfer.notice))
         result = transfer.finish()
         if result is not None:
             metrics = self.metrics
             metrics.inc("transfers")
             metrics.observe_transfer(result.bytes, result.descriptors, result.seconds)
 
-    def _check(self, transfer: Transfer, now: float) -> bool:
-        """Poll one transfer; True if anything changed."""
+    def _poll_transfer(self, transfer: Transfer, now: float) -> bool:
+        """Poll one transfer's op and act on its outcome; True if anything changed."""
         state = transfer.state
         if state.finished:
             return False
@@ -507,10 +444,10 @@ class PullPoller:
         outcome = transfer.op.poll()
         if self.batcher.added != queued:
             self._batched.append(transfer)
-        notified = transfer.op.take_notified()
-        if notified:
-            transfer.notified = True
-            self.noticed(transfer.session, notified)
+        noticed = transfer.op.take_noticed()
+        if noticed:
+            transfer.noticed = True
+            self.noticed(transfer.session, noticed)
         if outcome is None:
             self._complete(transfer)
             return True
@@ -520,7 +457,7 @@ class PullPoller:
             transfer.session.mark_broken(outcome.error, outcome.rank)
             self.fail(transfer, outcome.error)
             if outcome.notify:
-                transfer.session.notify(outcome.notify, transfer.notice)
+                self.sent(transfer.session, transfer.session.notify(outcome.notify, transfer.notice))
             return True
         if state.timed_out(now):
             self.fail(
@@ -532,7 +469,7 @@ class PullPoller:
             )
             return True
         if state.heartbeat_due(now):
-            transfer.session.extend([transfer.request_id])
+            self.sent(transfer.session, transfer.session.extend([transfer.request_id]))
         return isinstance(outcome, Pending) and outcome.changed
 
     async def _reset_agent(self) -> None:
@@ -556,10 +493,10 @@ class PullPoller:
             progressed = False
             if self._launched:  # see _launched: launches come one at a time, or in bursts
                 self._inline, self._launched = self._launched == 1, 0
-            pushing = self.mode == "push" or bool(self._grants)
+            pushing = self.mode == "push" or bool(self.grants.by_id)
             if pushing:
                 try:
-                    progressed |= self._drain()
+                    progressed |= self.grants.drain()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.log.warning("draining notifications failed", error=str(exc))
             if self._batched or self.batcher.notices:  # checks and notices queued at launch: out
@@ -567,7 +504,7 @@ class PullPoller:
                 progressed = True
             for _state, transfer in self._tracker:
                 try:
-                    progressed |= self._check(transfer, now)
+                    progressed |= self._poll_transfer(transfer, now)
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.fail(transfer, exc)
             if self._batched or self.batcher.notices:
@@ -575,15 +512,15 @@ class PullPoller:
                 progressed = True
             if self._unflushed:
                 self._flush_noticed(time.monotonic())
-            if self._stopping:
-                self._settle_pushes(now)
+            if self.grants.stopping:
+                self.grants.settle(now, closing=self._closing, may_replace=self._replace_agent is not None)
             reaper = self.reaper
             if len(reaper) or reaper.background:
                 reaper.retry()
             if self._settling:
                 self.finish_settled()
             oldest = reaper.oldest()
-            stuck = (oldest is not None and now - oldest > self.settle_timeout) or bool(self._cut)
+            stuck = (oldest is not None and now - oldest > self.settle_timeout) or bool(self.grants.cut)
             if (
                 self._replace_agent is not None
                 and stuck
@@ -605,13 +542,15 @@ class PullPoller:
                     self._agent().progress()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling
                     self.log.warning("progressing the agent failed", error=str(exc))
-            if self._unflushed and not (len(self._tracker) or flushing or self._settling or self._stopping):
+            if self._unflushed and not (
+                len(self._tracker) or flushing or self._settling or self.grants.stopping
+            ):
                 # only flush READs to come: sleep until the first falls due
                 due = min(self._unflushed.values()) + FLUSH_DELAY_S - time.monotonic()
                 await backoff.wait(busy=False, limit=max(due, 0.0))
-            elif len(self._tracker) or flushing or self._settling or self._stopping:
+            elif len(self._tracker) or flushing or self._settling or self.grants.stopping:
                 # push: the writers' notices are the completion; look for them often
-                await backoff.wait(busy=True, limit=PUSH_POLL_S if pushing and self._grants else None)
+                await backoff.wait(busy=True, limit=PUSH_POLL_S if pushing and self.grants.by_id else None)
             else:
                 # background reads: released within REAP_EVERY_S of their end
                 limit = 0.01 if len(reaper) else REAP_EVERY_S if reaping or reaper.background else math.inf

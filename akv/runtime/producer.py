@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Literal
 
 import anyio
 import anyio.to_thread
-import numpy as np
 import numpy.typing as npt
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from akv._poll import PUSH_POLL_S
 from akv.backends import mem_type
 from akv.errors import (
     AkvError,
@@ -39,7 +39,7 @@ from akv.protocol.push import decode_push, is_push
 from akv.runtime import local, registration
 from akv.runtime.control import ControlServer
 from akv.runtime.listeners import Listeners
-from akv.runtime.packer import Packer, check_transfer, fragmented
+from akv.runtime.packer import Packer, PackLifecycle, check_transfer, fragmented
 from akv.runtime.pusher import PackedCopy, Pusher
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.tls import TLSConfig
@@ -53,9 +53,6 @@ __all__ = ["Producer", "Release"]
 
 #: Releases kept for a [`Producer.releases`][akv.Producer.releases] reader that is not keeping up.
 RELEASE_BUFFER = 4096
-#: Longest sleep of the poller while pushing decode ranks are linked and requests exposed
-#: (an announcement waits for the next look).
-PUSH_POLL_S = 0.0005
 
 
 class Producer(RankBase):
@@ -254,12 +251,17 @@ class Producer(RankBase):
                 self.release_after_pack,
                 copy_with,
             )
-        self._early: set[str] = set()  # released to the engine after packing, still exposed
-        self._gathering: dict[str, npt.NDArray[np.int32]] = {}  # packs queued on the device
-        # exposed with layers still to compute: packed once the last one is ready
-        self._pack_later: dict[str, tuple[Sequence[npt.NDArray[np.int32]], npt.NDArray[np.int32], int]] = {}
-
         self.pusher = Pusher(self, self._deliver, self._log)
+        self.packing: PackLifecycle | None = None
+        if self.packer is not None:
+            self.packing = PackLifecycle(
+                self.packer,
+                ledger=self.ledger,
+                metrics=self.metrics,
+                log=self._log,
+                ready=self.pusher.packed_ready,
+                deliver=lambda releases: self._deliver(releases, pack=False),
+            )
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -345,17 +347,7 @@ class Producer(RankBase):
     def packed_copy(self, request_id: str) -> PackedCopy | Literal["pending"] | None:
         """Push mode: where this rank's packed copy of an exposed request is (``"pending"``
         while its gather is queued on the device; None: it has none, its blocks are written)."""
-        packer = self.packer
-        if packer is None:
-            return None
-        found = packer.copy_of(request_id)
-        if found is None or found == "pending":
-            return found
-        generation, offset, nbytes = found
-        info = self.rank_info().pack
-        if info is None:  # pragma: no cover - a rank with a packer announces its pool
-            return None
-        return PackedCopy(info.pool_addr + offset, nbytes, generation, info.mem_type, info.device_id)
+        return None if self.packing is None else self.packing.copy_of(request_id, self.rank_info().pack)
 
     def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None:
         """Remember a decode rank: its engine's TP size (it fixes how many notifications to
@@ -425,11 +417,9 @@ class Producer(RankBase):
         if layers_ready is not None and not 0 <= layers_ready <= self.pusher.layers:
             raise ConfigError(f"layers_ready must be in [0, {self.pusher.layers}], got {layers_ready}")
         generation = self.ledger.expose(request_id, ids, time.monotonic(), lease, generation)
-        if self.packer is not None:
-            if layers_ready is None or layers_ready >= self.pusher.layers:
-                self._pack(request_id, per_group, ids, generation)
-            else:  # packed once every layer is computed (until then, read directly)
-                self._pack_later[request_id] = (per_group, ids, generation)
+        if self.packing is not None:  # packed once every layer is computed (until then, read directly)
+            complete = layers_ready is None or layers_ready >= self.pusher.layers
+            self.packing.exposed(request_id, per_group, ids, generation, complete)
         self.pusher.exposed(request_id, layers_ready)
         self._backoff.wake()
         return generation
@@ -452,62 +442,9 @@ class Producer(RankBase):
         if n < 0:
             raise ConfigError(f"layers_ready needs n >= 0, got {n}")
         self.pusher.layers_ready(request_id, min(n, self.pusher.layers))
-        if n >= self.pusher.layers and request_id in self._pack_later:
-            self._pack(request_id, *self._pack_later.pop(request_id))
+        if n >= self.pusher.layers and self.packing is not None:
+            self.packing.computed(request_id)
         self._backoff.wake()
-
-    def _pack(
-        self,
-        request_id: str,
-        per_group: Sequence[npt.NDArray[np.int32]],
-        ids: npt.NDArray[np.int32],
-        generation: int,
-    ) -> None:
-        """Pack an exposed request (fall back to direct reads when the pool is full); with
-        ``release_after_pack``, hand its blocks back now."""
-        packer = self.packer
-        if packer is None:  # pragma: no cover - expose() packs only with a packer
-            return
-        try:
-            packed = packer.pack(request_id, per_group, generation)
-        except Exception as exc:  # e.g. out of device memory: this request is read directly
-            self._log.warning(
-                "packing failed: the request is read directly", request=request_id, error=str(exc)
-            )
-            packed = False
-        if not packed:
-            self._packed(request_id, ids, False)
-        elif request_id in packer.pending:  # published once its gather is done (_settle_packs)
-            self._gathering[request_id] = ids
-        else:
-            self._packed(request_id, ids, True)
-
-    def _packed(self, request_id: str, ids: npt.NDArray[np.int32], packed: bool) -> None:
-        """A request's packed copy is published (or it has none); with
-        ``release_after_pack``, hand its blocks back now."""
-        self.pusher.packed_ready(request_id)  # packed pushes waiting for the copy go on
-        if not packed:
-            self.metrics.inc("pack_fallbacks")
-            self._log.info("no packed copy (pool full): the request is read directly", request=request_id)
-            return
-        self.metrics.inc("packed")
-        if self.release_after_pack:
-            self.ledger.table.mark_packed(request_id)  # before the blocks go back: direct reads now fail
-            self._early.add(request_id)
-            groups = self.cache.split(ids) if len(self.cache.groups) > 1 else None
-            self._deliver([Release(request_id, ids, "packed", 0, None, groups)], pack=False)
-
-    def _settle_packs(self) -> bool:
-        """Publish the packed copies whose gather finished on the device; True if any did."""
-        packer = self.packer
-        if packer is None or not (packer.pending or packer.freeing):
-            return False
-        done = packer.settle()
-        for request_id, published in done:
-            ids = self._gathering.pop(request_id, None)
-            if ids is not None and request_id in self.ledger:
-                self._packed(request_id, ids, published)
-        return bool(done)
 
     def extend(self, request_id: str, seconds: float | None = None) -> None:
         """Push the lease deadline of ``request_id`` to now + ``seconds`` (default: its lease)."""
@@ -538,19 +475,8 @@ class Producer(RankBase):
         settled = bool(releases)
         if releases:
             self.pusher.released(releases)
-            for release in releases:
-                self._pack_later.pop(release.request_id, None)
-        if pack and self.packer is not None:  # the exposure is retired: free its slot (once)
-            kept = []
-            for release in releases:
-                self.packer.drop(release.request_id)
-                self._gathering.pop(release.request_id, None)
-                if release.request_id in self._early:  # its blocks went back after packing
-                    self._early.discard(release.request_id)
-                    self.metrics.inc(f"pack_released_{release.reason}")
-                    continue
-                kept.append(release)
-            releases = kept
+        if self.packing is not None:  # ``pack``: the exposure is retired: free its slot (once)
+            releases = self.packing.released(releases, retire=pack)
         for release in releases:
             if release.reason not in ("read", "pushed"):
                 self._log.info(
@@ -659,8 +585,8 @@ class Producer(RankBase):
                         backoff.progressed()  # spin until the writes complete
                 except AkvError as exc:  # pragma: no cover - defensive: keep polling
                     self._log.warning("push progress failed", error=str(exc))
-            if self.packer is not None and (self.packer.pending or self.packer.freeing):
-                self._settle_packs()
+            if self.packing is not None and self.packing.busy:
+                self.packing.settle()
                 backoff.progressed()  # spin until the gathers are done (microseconds)
             expired, until = self.ledger.expire(now)
             self._deliver(expired)

@@ -19,6 +19,7 @@ fails the grant, answered ``failed`` under the same condition.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -29,12 +30,13 @@ import numpy as np
 import numpy.typing as npt
 
 from akv import exposure
-from akv.backends import DlistHandle, Reaper, XferHandle, mem_type
+from akv._poll import FLUSH_S
+from akv.backends import DlistHandle, Reaper, XferHandle, mem_type, poll_handles
 from akv.errors import AkvError, BlockIdError, ConfigError, PeerLostError, TransferError
+from akv.pack_layout import desc_rows, plan_runs, staged_bytes
 from akv.plan import RankMemory, TransferPlan
 from akv.protocol.messages import Hello, Notice
-from akv.protocol.push import PushNotice, encode_push
-from akv.runtime.paths.packed import desc_rows, plan_runs, staged_bytes
+from akv.protocol.push import Kind, PushNotice, encode_push, reply
 
 if TYPE_CHECKING:
     import torch
@@ -45,14 +47,22 @@ if TYPE_CHECKING:
     from akv.metrics import Metrics
     from akv.plan import Prepared
 
-__all__ = ["FLUSH_S", "MAX_GRANTS", "RETIRED", "PackedCopy", "PushRank", "Pusher"]
+__all__ = ["MAX_GRANTS", "RETIRED", "GrantState", "PackedCopy", "PushRank", "Pusher"]
 
 #: Grants (announcements not finished) held at once per decode rank.
 MAX_GRANTS = 4096
 #: Released request ids remembered, so a late announcement is answered at once.
 RETIRED = 65536
-#: Seconds the producer keeps progressing its agent after sending a push notice.
-FLUSH_S = 0.5
+
+
+class GrantState(enum.Enum):
+    """Where a grant is: waiting for its request (exposed, or its packed copy gathered),
+    writing, ending (its answer goes out once none of its WRITEs can land), done."""
+
+    WAITING = "waiting"
+    WRITING = "writing"
+    ENDING = "ending"
+    DONE = "done"
 
 
 class PushRank(Protocol):
@@ -111,7 +121,7 @@ class _Grant:
     target: _Target
     notice: PushNotice
     received: float
-    state: str = "waiting"  # waiting | writing | ending | done
+    state: GrantState = GrantState.WAITING
     generation: int = 0  # the exposure it writes (known once started)
     digest: int = 0
     local: DlistHandle = None
@@ -120,7 +130,7 @@ class _Grant:
     li: npt.NDArray[np.int32] | None = None  # the decode rank's
     layers: npt.NDArray[np.int64] | None = None  # last model layer of each descriptor
     sent: npt.NDArray[np.bool_] | None = None
-    pending: set[XferHandle] = field(default_factory=set)
+    pending: dict[XferHandle, None] = field(default_factory=dict)  # WRITEs in flight
     reaping: int = 0  # handles handed to the reaper, not released yet
     answer: PushNotice | None = None  # what to send once nothing can land ("stopped"/"failed")
     packed: bool = False  # writes the packed copy into the decode rank's staging area
@@ -242,9 +252,9 @@ class Pusher:
     def _stop(self, target: _Target, notice: PushNotice) -> None:
         grant = self.grants.get((target.agent, notice.grant))
         if grant is None:  # never announced here, or finished: nothing of it can land
-            self._send(target, "stopped", notice.request_id, notice.grant, notice.generation)
+            self._send_notice(target, reply(notice, "stopped", prefill_rank=self.producer.tp_rank))
             return
-        if grant.state == "ending" and grant.answer is None:  # ended unanswered (its link reset)
+        if grant.state is GrantState.ENDING and grant.answer is None:  # ended unanswered (its link reset)
             grant.target = target
             grant.answer = self._notice(grant, "stopped")  # sent once its WRITEs are released
             return
@@ -260,7 +270,7 @@ class Pusher:
         else:
             self.ready[request_id] = layers_ready
         for grant in list(self.by_request.get(request_id, ())):
-            if grant.state == "waiting":
+            if grant.state is GrantState.WAITING:
                 self._start(grant)
 
     def layers_ready(self, request_id: str, n: int) -> None:
@@ -272,14 +282,14 @@ class Pusher:
         else:
             self.ready[request_id] = max(n, self.ready[request_id])
         for grant in list(self.by_request.get(request_id, ())):
-            if grant.state == "writing":
+            if grant.state is GrantState.WRITING:
                 self._advance(grant)
 
     def packed_ready(self, request_id: str) -> None:
         """A request's packed copy was published (or found no room): packed pushes waiting
         for it start."""
         for grant in list(self.by_request.get(request_id, ())):
-            if grant.state == "waiting":
+            if grant.state is GrantState.WAITING:
                 self._start(grant)
 
     def released(self, releases: list[Release]) -> None:
@@ -294,12 +304,12 @@ class Pusher:
             while len(self.retired) > RETIRED:
                 self.retired.popitem(last=False)
             for grant in list(self.by_request.get(rid, ())):
-                if grant.state == "writing":
+                if grant.state is GrantState.WRITING:
                     code = "expired" if rel.reason == "expired" else "released"
                     self._end(
                         grant, self._notice(grant, "failed", code, f"released ({rel.reason}) while writing")
                     )
-                elif grant.state == "waiting":  # e.g. for a gather still queued: fails as released
+                elif grant.state is GrantState.WAITING:  # e.g. for a gather still queued: fails as released
                     self._start(grant)
 
     # -- writing --------------------------------------------------------------------------
@@ -367,7 +377,7 @@ class Pusher:
         grant.ri, grant.li = ri, li
         grant.sent = np.zeros(ri.size, dtype=bool)
         grant.generation, grant.digest = gen, exposure.digest(exposed)
-        grant.state = "writing"
+        grant.state = GrantState.WRITING
         self._advance(grant)
 
     def _start_packed(
@@ -413,7 +423,7 @@ class Pusher:
         grant.packed = True
         grant.generation, grant.digest = generation, exposure.digest(exposed)
         grant.sent = np.ones(1, dtype=bool)
-        grant.state = "writing"
+        grant.state = GrantState.WRITING
         if not lengths.size:  # nothing of it lies on this rank: done at the next poll
             return
         try:
@@ -428,13 +438,13 @@ class Pusher:
         except TransferError as exc:
             self._end(grant, self._notice(grant, "failed", "transfer", str(exc)))
             return
-        grant.pending.add(handle)
+        grant.pending[handle] = None
         self.metrics.inc("push_writes")
         self.metrics.inc("packed_pushes")
 
     def _advance(self, grant: _Grant) -> None:
         """Post a WRITE of the descriptors whose layers are ready and not written yet."""
-        if grant.state != "writing" or grant.sent is None or grant.layers is None:
+        if grant.state is not GrantState.WRITING or grant.sent is None or grant.layers is None:
             return
         if grant.ri is None or grant.li is None:  # pragma: no cover - set together when started
             return
@@ -450,7 +460,7 @@ class Pusher:
             self._end(grant, self._notice(grant, "failed", "transfer", str(exc)))
             return
         grant.sent |= mask
-        grant.pending.add(handle)
+        grant.pending[handle] = None
         self.metrics.inc("push_writes")
 
     def poll(self, now: float) -> bool:
@@ -458,26 +468,26 @@ class Pusher:
         changed = False
         backend = self.producer.backend
         for grant in list(self.grants.values()):
-            for handle in list(grant.pending):
-                try:
-                    done = backend.state(handle) == "DONE"
-                except TransferError as exc:
-                    self._end(grant, self._notice(grant, "failed", "transfer", str(exc)))
+            if grant.pending:
+                polled = poll_handles(backend, self.reaper, grant.pending)
+                changed |= polled.changed
+                if polled.failed is not None:
+                    self._end(grant, self._notice(grant, "failed", "transfer", str(polled.failed[2])))
                     changed = True
-                    break
-                if done:
-                    grant.pending.discard(handle)
-                    self.reaper.drop(handle)
-                    changed = True
-            if grant.state == "writing" and not grant.pending and grant.sent is not None and grant.sent.all():
+            if (
+                grant.state is GrantState.WRITING
+                and not grant.pending
+                and grant.sent is not None
+                and grant.sent.all()
+            ):
                 self._complete(grant, now)
                 changed = True
-            elif grant.state == "ending" and not grant.pending and not grant.reaping:
+            elif grant.state is GrantState.ENDING and not grant.pending and not grant.reaping:
                 if grant.answer is not None:
                     self._send_notice(grant.target, grant.answer)
                 self._drop(grant)
                 changed = True
-            elif grant.state == "waiting" and now - grant.received > self.producer.lease_s:
+            elif grant.state is GrantState.WAITING and now - grant.received > self.producer.lease_s:
                 self._fail_now(
                     grant, "not_exposed", f"request {grant.notice.request_id!r} was not exposed in time"
                 )
@@ -503,12 +513,12 @@ class Pusher:
     def _end(self, grant: _Grant, answer: PushNotice | None) -> None:
         """Stop a grant: post nothing more; hand its writes to the reaper; ``answer`` goes out
         once none of them can land any more (None: no answer)."""
-        if grant.state in ("ending", "done"):
+        if grant.state in (GrantState.ENDING, GrantState.DONE):
             return
-        grant.state = "ending"
+        grant.state = GrantState.ENDING
         grant.answer = answer
         for handle in list(grant.pending):
-            grant.pending.discard(handle)
+            del grant.pending[handle]
             grant.reaping += 1
 
             def then(grant: _Grant = grant) -> None:
@@ -521,7 +531,7 @@ class Pusher:
         self._end(grant, self._notice(grant, "failed", code, message))
 
     def _drop(self, grant: _Grant) -> None:
-        grant.state = "done"
+        grant.state = GrantState.DONE
         self.grants.pop(grant.key, None)
         peers = self.by_request.get(grant.notice.request_id)
         if peers is not None:
@@ -557,37 +567,11 @@ class Pusher:
             handle = target.lists[key] = self.producer.backend.prep(agent, table, mem)
         return handle
 
-    def _notice(self, grant: _Grant, kind: Any, code: str = "", message: str = "") -> PushNotice:
-        n = grant.notice
-        return PushNotice(
-            kind=kind,
-            engine_id=n.engine_id,
-            decode_rank=n.decode_rank,
-            decode_tp=n.decode_tp,
-            request_id=n.request_id,
-            grant=n.grant,
-            generation=n.generation,
-            prefill_rank=self.producer.tp_rank,
-            code=code,
-            message=message[:1024],
-        )
+    def _notice(self, grant: _Grant, kind: Kind, code: str = "", message: str = "") -> PushNotice:
+        return reply(grant.notice, kind, prefill_rank=self.producer.tp_rank, code=code, message=message)
 
-    def _reply(self, grant: _Grant, kind: str, code: str, message: str) -> None:
+    def _reply(self, grant: _Grant, kind: Kind, code: str, message: str) -> None:
         self._send_notice(grant.target, self._notice(grant, kind, code, message))
-
-    def _send(self, target: _Target, kind: Any, request_id: str, grant: int, generation: int) -> None:
-        engine, rank, tp = target.identity
-        notice = PushNotice(
-            kind=kind,
-            engine_id=engine,
-            decode_rank=rank,
-            decode_tp=tp,
-            request_id=request_id,
-            grant=grant,
-            generation=generation,
-            prefill_rank=self.producer.tp_rank,
-        )
-        self._send_notice(target, notice)
 
     def _send_notice(self, target: _Target, notice: PushNotice) -> None:
         try:

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from akv.backends import Backend
     from akv.packing import CacheViews
     from akv.plan import RankMemory
-    from akv.runtime.paths.packed import StagingPool
-    from akv.runtime.paths.read import CheckPool
+    from akv.runtime.paths.staging import StagingPool
+    from akv.runtime.paths.tables import SlotPool
 
 __all__ = ["DecodeRank", "RankBase", "default_engine_id"]
 
@@ -260,7 +260,7 @@ class DecodeRank(Protocol):
     def closed(self) -> bool: ...
 
     @property
-    def checks(self) -> CheckPool: ...
+    def checks(self) -> SlotPool: ...
 
     @property
     def metrics(self) -> Metrics: ...
@@ -269,7 +269,7 @@ class DecodeRank(Protocol):
     def staging(self) -> StagingPool | None: ...
 
     @property
-    def directories(self) -> CheckPool | None: ...
+    def directories(self) -> SlotPool | None: ...
 
     @property
     def pack_views(self) -> CacheViews: ...

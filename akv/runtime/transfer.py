@@ -24,7 +24,7 @@ from akv.tracker import Stage, TransferState
 
 if TYPE_CHECKING:
     from akv.plan import Prepared
-    from akv.runtime.paths.read import RankCheck
+    from akv.runtime.paths.tables import RemoteTable
 
 __all__ = ["PullOwner", "PullRequest", "Transfer", "TransferResult"]
 
@@ -39,24 +39,22 @@ class PullOwner(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    @property
-    def transfers(self) -> set[Transfer]: ...
-
     def mark_broken(self, error: AkvError, rank: int | None) -> None:
         """A read from ``rank`` failed with ``error``: the next pull needing it may re-link."""
 
-    def notify(self, ranks: Sequence[int], notice: bytes) -> None:
-        """Send ``notice`` to these prefill ranks."""
+    def notify(self, ranks: Sequence[int], notice: bytes) -> list[int]:
+        """Send ``notice`` to these prefill ranks; returns those it reached over NIXL."""
 
-    def extend(self, request_ids: Sequence[str]) -> None:
-        """Renew the leases of these requests on every prefill rank notified."""
+    def extend(self, request_ids: Sequence[str]) -> list[int]:
+        """Renew the leases of these requests on every prefill rank notified; returns the
+        ranks reached over NIXL."""
 
     def invalidate(self, ranks: Sequence[int]) -> None:
         """Forget these prefill ranks' agents (push writers that never confirmed a stop)."""
 
-    def flush_check(self, rank: int) -> RankCheck | None:
-        """The exposure-check list of ``rank`` to flush notices behind, None if there is none
-        to flush (the rank is not linked, broken, or a pull of the session is still to notice)."""
+    def flush_check(self, rank: int) -> RemoteTable | None:
+        """The exposure table of ``rank`` to flush notices behind, None if there is none
+        to flush (the rank is not linked, or broken, or the session pushes)."""
 
 
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,7 +147,7 @@ class Transfer:
         self.op = op  # the transfer on its path
         self.notify = notify  # prefill ranks notified once it is done (a read's carry their notice)
         self.generation = 0  # the exposure generation the pull is bound to (0: none)
-        self.notified = False  # its reads' "done" notice went out (it may still scatter)
+        self.noticed = False  # its reads' "done" notice went out (it may still scatter)
         self._event: anyio.Event | None = None  # created only if someone waits unfinished
         self._result: TransferResult | None = None
         self._error: AkvError | None = None
@@ -220,7 +218,7 @@ class Transfer:
         result = None
         if error is None:
             p = self.prepared
-            descriptors = getattr(op, "descriptors", None)  # a packed read's own count
+            descriptors = op.descriptors  # a packed read's own count (None: the plan's)
             result = self._result = TransferResult(
                 self.request_id,
                 p.bytes,
@@ -233,9 +231,7 @@ class Transfer:
         else:
             self._error = error
             self.state.stage = Stage.FAILED
-        finished = getattr(op, "finished", None)  # a packed push frees its staging range
-        if finished is not None:
-            finished()
+        op.finished()  # a packed push frees its staging range
         if self._event is not None:
             self._event.set()
         return result

@@ -43,7 +43,7 @@ def _floor(methods: Methods, batch: list[tuple[str, Any, Any]], record: bool) ->
     started = time.perf_counter()
     total = 0
     for session, consumer in zip(methods.sessions, methods.consumers, strict=True):
-        backend, dlists, links = consumer.backend, session.remote.dlists, session.remote.links
+        backend, dlists, links = consumer.backend, session.engine.dlists, session.engine.links
         for rid, local, remote in batch:
             request_id = f"{rid}-u"
             p = session.plan.prepare(request_id, local, remote)

@@ -95,6 +95,18 @@ def _served(future: Any) -> None:
         log.error("akv: the worker's serving task failed: %r", future.exception())
 
 
+def _allow_amx() -> None:
+    """Ask Linux for this process's use of AMX tiles (``arch_prctl(ARCH_REQ_XCOMP_PERM)``,
+    through torch), where the CPU has them. vLLM 0.32.0's CPU attention runs AMX kernels for
+    bf16 caches in blocks of 32 tokens without asking, so on such a CPU the first decode step
+    of an instance whose process had not yet asked (its matmuls were too small for oneDNN's
+    AMX kernels, which ask) died of SIGILL in ``cpu_attention_with_kv_cache``. Asking twice,
+    or where there is no AMX, does nothing."""
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None and torch.cpu._is_amx_tile_supported():
+        init()
+
+
 class WorkerHalf:
     """One TP rank's akv side (see the module text).
 
@@ -133,6 +145,8 @@ class WorkerHalf:
 
         spec, regions = describe(kv_caches, self.groups, content=self.ident.content)
         self._device = regions[0].device
+        if self._device.type == "cpu":
+            _allow_amx()
         o = self.ident.options
         transfer = o.transfer or ("auto" if self._device.type == "cuda" else "direct")
         self._portal_cm = start_blocking_portal("asyncio")

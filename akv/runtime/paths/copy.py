@@ -38,7 +38,8 @@ import numpy.typing as npt
 from akv import exposure, kernels
 from akv.errors import TransferError
 from akv.kernels import RunCopier, Segment, Template, merge_runs, split_rows
-from akv.runtime.paths import Failed, Outcome, PathName, Pending, unsafe
+from akv.runtime.paths import Failed, OpBase, Outcome, PathName, Pending
+from akv.runtime.paths.tables import unsafe
 
 if TYPE_CHECKING:
     import torch
@@ -477,7 +478,7 @@ def _memmove_runs(
     del keep
 
 
-class LocalCopy:
+class LocalCopy(OpBase):
     """One pull on the copy path: what is still running (CUDA events recorded after its copies,
     or the DRAM copy worker's job), then the exposure check against the prefill ranks' tables."""
 
@@ -505,10 +506,6 @@ class LocalCopy:
     @property
     def ranks(self) -> frozenset[int]:
         """Empty: ranks of this process are not lost mid-copy."""
-        return frozenset()
-
-    def take_notified(self) -> frozenset[int]:
-        """Empty: no NIXL transfer carries a notice (ranks of this process are told directly)."""
         return frozenset()
 
     def poll(self) -> Outcome:

@@ -15,9 +15,8 @@ removes the silent writers' agents and settles (see docs/concepts.md for what th
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from akv.backends import Backend
 from akv.errors import (
@@ -29,13 +28,14 @@ from akv.errors import (
     ReleasedError,
     TransferError,
 )
-from akv.protocol.push import PushNotice, encode_push
-from akv.runtime.paths import Failed, Outcome, PathName, Pending
-from akv.runtime.paths.packed import scatter_items
+from akv.protocol.push import PushNotice, encode_push, reply
+from akv.runtime.paths import Failed, OpBase, Outcome, PathName, Pending
+from akv.runtime.paths.staging import Scatter
 
 if TYPE_CHECKING:
+    from akv.pack_layout import Item
     from akv.packing import CacheViews
-    from akv.runtime.paths.packed import Item, StagingPool
+    from akv.runtime.paths.staging import StagingPool
 
 __all__ = ["PackedPush", "PushOp", "push_error"]
 
@@ -57,7 +57,7 @@ def push_error(notice: PushNotice) -> TransferError:
     )
 
 
-class PushOp:
+class PushOp(OpBase):
     """One pull on the push path (see the module)."""
 
     path: PathName = "push"
@@ -82,10 +82,6 @@ class PushOp:
     def ranks(self) -> frozenset[int]:
         """The writers that have not pushed yet: losing one fails the pull."""
         return frozenset(r for r in self.writers if r not in self.pushed)
-
-    def take_notified(self) -> frozenset[int]:
-        """Empty: a pushed pull reads nothing from its writers, so no READ waits behind its notices."""
-        return frozenset()
 
     def _send(self, rank: int, notice: PushNotice) -> AkvError | None:
         try:
@@ -143,15 +139,7 @@ class PushOp:
         if self.aborted:
             return
         self.aborted = True
-        stop = PushNotice(
-            kind="stop",
-            engine_id=self.announce.engine_id,
-            decode_rank=self.announce.decode_rank,
-            decode_tp=self.announce.decode_tp,
-            request_id=self.announce.request_id,
-            grant=self.grant,
-            generation=self.announce.generation,
-        )
+        stop = reply(self.announce, "stop")
         for rank in self.unconfirmed:
             self._send(rank, stop)  # a writer we cannot reach is settled by its agent's removal
 
@@ -197,15 +185,18 @@ class PackedPush(PushOp):
         self._runs = dict(runs)  # writer -> runs of its packed copy written
         self._direct = dict(direct)  # writer -> descriptors of the blocks, if it writes them
         self.packed_ranks: set[int] = set()  # writers that wrote their packed copy
-        self.scatter_s = 0.0
-        self._event: Any = None  # recorded after a CUDA scatter: done once it fired
-        self._scattered = False
+        self._scatter: Scatter | None = None
 
     @property
     def descriptors(self) -> int:
         """Descriptors the writers posted: their packed copies' runs, or the blocks' of a
         writer that had no copy."""
         return sum(self._runs[r] if r in self.packed_ranks else self._direct.get(r, 0) for r in self.writers)
+
+    @property
+    def scatter_s(self) -> float:
+        """Seconds the scatter took (on CUDA: to queue)."""
+        return 0.0 if self._scatter is None else self._scatter.seconds
 
     def on_notice(self, agent: str, notice: PushNotice) -> bool:
         """As `PushOp.on_notice`; a ``pushed`` coded ``"packed"`` marks its writer's items
@@ -216,56 +207,22 @@ class PackedPush(PushOp):
         return taken
 
     def poll(self) -> Outcome:
-        """`PushOp.poll`; once every writer pushed, the scatter (CUDA: queued, done once its
-        event fired); None once the blocks hold the request."""
+        """`PushOp.poll`; once every writer pushed, the scatter of the packed writers' items
+        (CUDA: queued, done once its event fired); None once the blocks hold the request."""
         outcome = super().poll()
-        if outcome is not None or self._scattered:
+        if outcome is not None:
             return outcome
-        if self._offset is None:  # pragma: no cover - freed only once finished
-            return Failed(TransferError(f"request {self.announce.request_id!r} has no staging range"))
-        if self._event is not None:
-            try:
-                if not self._event.query():
-                    return Pending()
-            except RuntimeError as exc:  # a CUDA error: this pull fails, the consumer runs on
-                return self._failed(exc)
-            self._event = None
-            self._scattered = True
-            return None
-        items = [item for item in self.items if item.rank in self.packed_ranks]
-        try:
-            self.scatter_s = scatter_items(self.staging, self.views, items, self._offset)
-            if self.staging.tensor.is_cuda and items:
-                import torch
-
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(torch.cuda.current_stream(self.staging.tensor.device))
-                self._event = event
-                return Pending(True)
-        except (RuntimeError, ValueError, IndexError) as exc:
-            return self._failed(exc)
-        self._scattered = True
-        return None
-
-    def _failed(self, exc: BaseException) -> Failed:
-        self._sync()
-        return Failed(TransferError(f"scattering request {self.announce.request_id!r} failed: {exc}"))
-
-    def _sync(self) -> None:
-        """Wait for a queued scatter (it reads the staging range)."""
-        if self.staging.tensor.is_cuda:
-            import torch
-
-            with contextlib.suppress(RuntimeError):
-                torch.cuda.current_stream(self.staging.tensor.device).synchronize()
-        self._event = None
+        if self._scatter is None:
+            if self._offset is None:  # pragma: no cover - freed only once finished
+                return Failed(TransferError(f"request {self.announce.request_id!r} has no staging range"))
+            items = [item for item in self.items if item.rank in self.packed_ranks]
+            self._scatter = Scatter(self.staging, self.views, items, self._offset, self.announce.request_id)
+        return self._scatter.poll()
 
     def abort(self) -> None:
         """As `PushOp.abort`; a queued scatter is waited for (none writes after this returns)."""
-        if self._event is not None:
-            with contextlib.suppress(RuntimeError):
-                self._event.synchronize()
-            self._event = None
+        if self._scatter is not None:
+            self._scatter.wait()
         super().abort()
 
     def finished(self) -> None:
