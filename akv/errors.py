@@ -98,11 +98,12 @@ class ServerBusyError(HandshakeError):
 
 
 class EngineChangedError(HandshakeError):
-    """A session re-linking to its engine found another engine (or another incarnation of it)
-    at the same address: its metadata is not adopted. ``field`` is ``engine_id`` or
-    ``instance_id``; connect again for a session to the new engine."""
+    """A session re-linking to its engine found another engine (another engine id) at the
+    same address: its metadata is not adopted (``field`` names what differs, ``engine_id``);
+    connect again for a session to the new engine. A new incarnation of the same engine (a
+    restarted one) is no such error: the session links it by itself."""
 
-    def __init__(self, message: str, field: str = "instance_id") -> None:
+    def __init__(self, message: str, field: str = "engine_id") -> None:
         super().__init__(message)
         self.field = field
 

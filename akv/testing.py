@@ -455,7 +455,7 @@ async def fetch_requests(
     from akv.protocol.address import BootstrapAddress, EtcdAddress, parse_engine_address
     from akv.protocol.handshake import resolve_secret
     from akv.protocol.messages import Hello
-    from akv.runtime.control import client_handshake
+    from akv.runtime.client import client_handshake
 
     address = parse_engine_address(endpoint)
     if isinstance(address, BootstrapAddress):

@@ -183,3 +183,26 @@ async def test_chaos_thousand_requests_exactly_once() -> None:
     print(f"\nchaos: {requests} requests in {rounds} rounds; outcomes {dict(total)}; faults {dict(faults)}")
     assert total["ok"] > 0 and sum(v for k, v in total.items() if k not in ("ok", "killed")) > 0
     assert all(faults[k] > 0 for k in ("dropped_notification", "post_error", "poll_error", "delayed_poll"))
+
+
+#: restarts of a prefill engine per transport in the chaos run (tests/test_churn.py)
+CHURN_ROUNDS = 10
+
+
+@pytest.mark.parametrize("ucx", ["default", "tcp"])
+@pytest.mark.timeout(300)
+async def test_chaos_ten_restarts_of_a_prefill_engine_served_by_one_session(
+    ucx: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten SIGKILLs and restarts of a prefill engine at its address, over the default
+    transports and UCX over TCP: one decode session links every new incarnation by itself and
+    pulls its requests bit-exact, and never reports a request of a dead one pulled
+    (tests/test_churn.py's restart test, ten rounds)."""
+    from tests.test_churn import TCP, restart_rounds
+
+    for key, value in TCP.items():
+        if ucx == "tcp":
+            monkeypatch.setenv(key, value)
+        else:
+            monkeypatch.delenv(key, raising=False)
+    await restart_rounds(ucx, CHURN_ROUNDS)

@@ -59,10 +59,12 @@ def start_prefill(*extra: str, env: dict[str, str] | None = None) -> tuple[subpr
 async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """SIGKILL mid-push: its pulls fail typed within timeout + stop grace + 5 s, another peer's
-    succeed; another
-    engine, or the same engine restarted, on the same endpoint is refused by the old session
-    (EngineChangedError naming the field), and a new session to it gets fresh agent metadata."""
+    """SIGKILL mid-push: its pulls fail typed once the other peer's pulls in flight are done,
+    within the stop grace (the watch of its process sees it gone, none of its writers can
+    confirm a stop, and the agent's replacement waits for no more), and the other peer's
+    succeed; another engine on the same endpoint is refused by the old session
+    (EngineChangedError naming engine_id), and the same engine restarted there is linked
+    again by it, with fresh agent metadata."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     spec = big_spec()
     victim, ep_a = start_prefill(env=TCP)  # engine id "prefill", the CLI's default
@@ -70,8 +72,8 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
     try:
         reqs_a = await fetch_requests(ep_a, spec, None, "t")
         reqs_b = await fetch_requests(ep_b, spec, None, "t")
-        # over TCP it pushes: a killed writer is noticed by the pull's timeout; it cannot confirm
-        # the stop, so its pulls settle once the grace ran out and this rank replaced its agent
+        # over TCP it pushes: a killed writer is noticed by its closed control connection; it
+        # cannot confirm the stop, so its pulls settle once this rank replaced its agent
         # (nothing the dead writer's sockets still deliver can land); the other engine's
         # pulls finish meanwhile
         async with decode_rank(spec, transfer_timeout=TIMEOUT, stop_grace_s=GRACE) as consumer:
@@ -96,7 +98,7 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
                     assert verify(consumer, list(range(i * 16, i * 16 + 16)), reqs_a[i].seed, range(16))
                 except akv.TransferError:
                     failed += 1
-                    assert time.monotonic() - killed < TIMEOUT + GRACE + 5
+                    assert time.monotonic() - killed < GRACE + 1.0
             assert failed > 0, "the kill landed after every read finished; nothing was tested"
             for i, t in enumerate(tb):
                 await t
@@ -104,26 +106,23 @@ async def test_killed_peer_fails_fast_others_unaffected_and_session_rehandshakes
             victim.wait(5)
             port = ep_a.rsplit(":", 1)[1]
             r = reqs_a[7]
-            # Another engine at the same address (other contents), then the same engine name
-            # restarted: the old session refuses both, typed, and adopts nothing of them.
-            for extra, field in (
-                (("--engine-id", "engine-b", "--seed", "5"), "engine_id"),
-                ((), "instance_id"),
-            ):
-                reborn, _ = start_prefill("--port", port, *extra, env=TCP)
-                try:
-                    with pytest.raises(akv.EngineChangedError) as info:
-                        await (await sa.pull(r.request_id, list(range(16)), r.block_ids))
-                    assert info.value.field == field and sa.agents[0] == old_agent
-                finally:
-                    if field == "engine_id":
-                        stop(reborn)
+            # Another engine at the same address (other contents): the old session refuses it,
+            # typed, and adopts nothing of it.
+            reborn, _ = start_prefill("--port", port, "--engine-id", "engine-b", "--seed", "5", env=TCP)
             try:
-                await sa.aclose()
-                fresh = await consumer.connect(ep_a)  # a new session to the restarted engine
-                await (await fresh.pull(r.request_id, list(range(16)), r.block_ids))
-                assert fresh.agents[0] != old_agent  # new agent: stale metadata was dropped
+                with pytest.raises(akv.EngineChangedError) as info:
+                    await (await sa.pull(r.request_id, list(range(16)), r.block_ids))
+                assert info.value.field == "engine_id" and sa.agents[0] == old_agent
+            finally:
+                stop(reborn)
+            # The same engine name restarted there: the same session links it by itself.
+            reborn, _ = start_prefill("--port", port, env=TCP)
+            try:
+                assert await consumer.connect(ep_a) is sa
+                await (await sa.pull(r.request_id, list(range(16)), r.block_ids))
+                assert sa.agents[0] != old_agent  # new agent: stale metadata was dropped
                 assert verify(consumer, list(range(16)), r.seed, range(16))
+                assert consumer.metrics.counters["engine_restarts"] == 1
             finally:
                 stop(reborn)
     finally:

@@ -274,24 +274,25 @@ anyio.run(main)
 
 
 async def test_writer_crash_mid_request_fails_typed_after_the_writer_is_gone() -> None:
-    """A writer process killed after writing its first layer: the pull fails with a typed
-    error, and only after the timeout and the stop grace (its agent removed), never before."""
+    """A writer process killed after writing its first layer: the pull fails with
+    PeerLostError within 2 s of the kill (its process seen gone: no stop is waited for, and
+    this rank's agent is replaced before the pull reports), long before its timeout."""
     spec = make_spec(kv_heads=4)
     proc = subprocess.Popen([sys.executable, "-c", WRITER], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         info = json.loads(proc.stdout.readline())
-        async with consumer(spec, 0, 1, transfer_timeout=1.0, stop_grace_s=0.5) as c:
+        async with consumer(spec, 0, 1, transfer_timeout=20.0, stop_grace_s=5.0) as c:
             session = await c.connect(info["endpoint"])
-            started = time.monotonic()
             t = await session.pull(info["request"], [0, 1, 2], info["blocks"])
             await wait_for(lambda: written(c.kv_caches) == 2)
             proc.kill()
-            proc.wait(10)
-            with pytest.raises(akv.errors.TransferTimeout):
+            killed = time.monotonic()
+            with pytest.raises(akv.errors.PeerLostError):
                 await t
-            assert time.monotonic() - started >= 1.5  # timeout, then the grace for the stop
-            assert c.metrics.snapshot().counters["push_stops_unconfirmed"] == 1
+            assert time.monotonic() - killed < 2.0
+            counters = c.metrics.snapshot().counters
+            assert counters["push_stops_unconfirmed"] == 1 and counters["agent_resets"] == 1
             assert session.broken  # the writer's agent is gone: the next pull links again
     finally:
         stop(proc)

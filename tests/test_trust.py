@@ -263,7 +263,7 @@ async def test_busy_server_is_retried_within_connect_timeout() -> None:
         server = akv.ControlServer(secret="s", max_connections=1)
         await tg.start(server.serve)
         async with akv.Producer(akv.allocate_kv_cache(spec, 0, 1), spec, tp_rank=0, tp_size=1, server=server):
-            from akv.runtime.control import client_handshake
+            from akv.runtime.client import client_handshake
 
             ep = server.endpoint
             hello = hello_of(engine_id="holder", nonce=b"h" * 16)

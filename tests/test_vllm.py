@@ -61,15 +61,9 @@ def launch(tmp: Path, model: Path, role: str, core: int | str, **kw: Any) -> Ins
     # TP 1 in the engine-core process, as vLLM runs it on a GPU: one process (16 s) less to start
     kw.setdefault("executor", "uni" if kw.get("tp", 1) == 1 else None)
     name = f"{role}-{kw.get('extra', {}).get('mode', 'pull')}-{free_port()}"
+    kw.setdefault("akv_port", free_port())
     return start(
-        tmp / f"{name}.log",
-        connector="akv",
-        role=role,
-        http_port=free_port(),
-        model=model,
-        core=core,
-        akv_port=free_port(),
-        **kw,
+        tmp / f"{name}.log", connector="akv", role=role, http_port=free_port(), model=model, core=core, **kw
     )
 
 
@@ -286,13 +280,25 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("gemma3"), "--arch", "gemma3")
 
 
+#: The Gemma 3 prefill instance's akv port and engine id, fixed in its configuration: the
+#: module's last test restarts it with them.
+GEMMA_PREFILL = {"akv_port": free_port(), "extra": {"engine_id": "vllm-gemma-prefill"}}
+
+
 @pytest.fixture(scope="module")
 def gemma_pair(gemma: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Instance, Instance]]:
     """Gemma 3 with vLLM's hybrid allocator, pulling; decode recomputes a failed load (the
-    module's last test kills this prefill)."""
+    module's last test kills this prefill, and starts it again)."""
     recompute = {"extra": {"transfer_timeout": 3.0}, "failure_policy": "recompute"}
-    with serve(tmp_path_factory.mktemp("gemma-logs"), gemma, recompute) as both:
-        yield both
+    tmp = tmp_path_factory.mktemp("gemma-logs")
+    prefill = launch(tmp, gemma, "prefill", 0, **GEMMA_PREFILL)
+    decode = launch(tmp, gemma, "decode", 1, **recompute)
+    try:
+        wait_ready([prefill, decode])
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 @pytest.mark.parametrize("hma", [False, True], ids=["no-hybrid-allocator", "hybrid-allocator"])
@@ -344,12 +350,15 @@ def test_gemma3_sliding_window_tokens_equal_colocated(
         assert metric(decode, "vllm:akv_pulls_failed_total") == failed
 
 
-def test_killed_prefill_fails_the_pull_and_decode_serves_on(
-    gemma: Path, gemma_pair: tuple[Instance, Instance]
+def test_killed_prefill_fails_the_pull_and_a_restart_is_served_again(
+    gemma: Path, gemma_pair: tuple[Instance, Instance], tmp_path: Path
 ) -> None:
     """A prefill instance killed after answering: decode's pull fails, vLLM recomputes the request
-    (kv_load_failure_policy recompute) with the right tokens, and serves the next request.
-    (Runs last: it kills the module's Gemma 3 prefill.)"""
+    (kv_load_failure_policy recompute) with the right tokens, and serves the next request. The
+    prefill instance started again (the same akv port and engine id in its configuration): the
+    running decode instance, never restarted, pulls its next requests (counted as external KV,
+    no pull failed) and decodes the colocated tokens. (Runs last: it kills the module's Gemma 3
+    prefill.)"""
     prefill, decode = gemma_pair
     failed = metric(decode, "vllm:akv_pulls_failed_total")
     tokens = prompt(900, seed=500)
@@ -363,3 +372,23 @@ def test_killed_prefill_fails_the_pull_and_decode_serves_on(
     nxt = prompt(300, seed=501)
     assert complete(decode.url, gemma, nxt)["choices"][0]["token_ids"] == colocated(decode, gemma, nxt)
     assert re.search(r"pull of request .* failed", decode.log.read_text(errors="replace"))
+
+    reborn = launch(tmp_path, gemma, "prefill", 0, **GEMMA_PREFILL)
+    try:
+        wait_ready([reborn])
+        time.sleep(1.5)  # vLLM publishes its stats on an interval
+        name = "vllm:prompt_tokens_by_source_total"
+        external = metric(decode, name, source="external_kv_transfer")
+        failed = metric(decode, "vllm:akv_pulls_failed_total")
+        pulled = metric(decode, "vllm:akv_pull_bytes_total")
+        sent = 0
+        for i, n in enumerate((300, 700)):
+            tokens = prompt(n, seed=510 + i)
+            assert disaggregated(reborn, decode, gemma, tokens) == colocated(reborn, gemma, tokens), n
+            sent += n
+        assert wait_metric(decode, name, external + sent, source="external_kv_transfer") == external + sent
+        assert metric(decode, "vllm:akv_pulls_failed_total") == failed
+        assert metric(decode, "vllm:akv_pull_bytes_total") > pulled
+        assert "the prefill engine restarted" in decode.log.read_text(errors="replace")
+    finally:
+        reborn.stop()

@@ -52,6 +52,7 @@ from akv.protocol.messages import (
     Challenge,
     Error,
     Hello,
+    KeepAlive,
     ListRequests,
     Message,
     Metadata,
@@ -186,6 +187,8 @@ class ServerConversation:
         self.nonce = _secrets.token_bytes(16)
         self.hello: Hello | None = None
         self.transcript = Transcript()
+        #: the client keeps the connection as a watch of this process (`KeepAlive`)
+        self.watching = False
 
     @property
     def authenticated(self) -> bool:
@@ -209,6 +212,9 @@ class ServerConversation:
             return self._fail("version", str(msg))
         if isinstance(msg, AkvError):
             return self._fail("protocol", str(msg))
+        if isinstance(msg, KeepAlive) and self.state == "authed":  # outside the transcript: no MAC follows
+            self.watching = True
+            return [], False
         body = raw if raw is not None else encode_body(msg)
         if isinstance(msg, MetadataRequest) and self.state == "challenged":
             return self._on_metadata_request(msg, body)  # checks its MAC before recording it

@@ -17,7 +17,9 @@ Protocol history:
   cache and ``Registered`` a MAC and the instance id; Requests a MAC. Sizes a peer supplies
   are bounded (``MAX_TP_SIZE``, ``MAX_LIST``, ``MAX_REGIONS``). Appended since: push mode
   (Hello ``mode``, ``agent_metadata``, ``region_addrs``, ``mem_type``, ``device_id``;
-  Challenge ``modes``; push notices in `akv.protocol.push`).
+  Challenge ``modes``; push notices in `akv.protocol.push`); ``KeepAlive``, which a decode
+  rank sends on its authenticated handshake connection to keep it as a watch of the prefill
+  rank's life (`akv.runtime.client.watch`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "Error",
     "FrameBuffer",
     "Hello",
+    "KeepAlive",
     "ListRequests",
     "Message",
     "Metadata",
@@ -223,6 +226,11 @@ class ListRequests(_Msg, frozen=True, tag=True, kw_only=True):
     """Client → server (after authentication): which requests are exposed."""
 
 
+class KeepAlive(_Msg, frozen=True, tag=True, kw_only=True):
+    """Client → server (after authentication): the connection stays open as a watch of the
+    server's process; the server answers nothing (TCP's acknowledgements are the answer)."""
+
+
 class Requests(_Msg, frozen=True, tag=True, kw_only=True):
     """Server → client: the announced requests, with the server's MAC over the transcript."""
 
@@ -239,7 +247,16 @@ class Error(_Msg, frozen=True, tag=True, kw_only=True):
 
 
 Message = (
-    Hello | Challenge | MetadataRequest | Metadata | ListRequests | Requests | Error | Register | Registered
+    Hello
+    | Challenge
+    | MetadataRequest
+    | Metadata
+    | ListRequests
+    | Requests
+    | Error
+    | Register
+    | Registered
+    | KeepAlive
 )
 
 

@@ -1,22 +1,21 @@
-"""The control plane's I/O: the handshake server of a prefill rank, the client of a decode rank.
+"""The control plane's server side: a prefill rank's handshake server (and, on rank 0, its
+engine's bootstrap, where the other ranks register).
 
 The conversations themselves are the sans-IO state machines of `akv.protocol.handshake`;
-this module only moves their frames over TCP, with limits and timeouts.
+this module only moves their frames over TCP, with limits and timeouts. The client side (a
+decode rank's handshakes and watches, a rank's registration) is `akv.runtime.client`.
 """
 
 from __future__ import annotations
 
-import hmac
-import math
 import secrets as _secrets
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import msgspec
 from anyio.abc import ByteStream, SocketStream, TaskStatus
 
 from akv._log import get_logger
@@ -25,30 +24,20 @@ from akv.errors import (
     AuthenticationError,
     ConfigError,
     FrameError,
-    HandshakeError,
     IncompatiblePeerError,
-    ServerBusyError,
 )
 from akv.metrics import Metrics
 from akv.protocol.address import Endpoint, is_loopback, parse_endpoint
 from akv.protocol.handshake import (
     SECRET_ENV,
-    ClientConversation,
-    HandshakeResult,
     HostedRank,
     ServerConversation,
-    raise_for_error,
-    register_mac,
-    registered_mac,
     resolve_secret,
 )
 from akv.protocol.messages import (
-    DEFAULT_CLIENT_MAX_FRAME,
     DEFAULT_SERVER_MAX_FRAME,
-    Challenge,
     Error,
     FrameBuffer,
-    Hello,
     Message,
     Register,
     Registered,
@@ -56,19 +45,15 @@ from akv.protocol.messages import (
     decode_message,
     encode_frame,
 )
-from akv.tls import TLSConfig, client_wrap, server_wrap, tls_failure
+from akv.tls import TLSConfig, server_wrap
 
-__all__ = [
-    "ControlServer",
-    "Endpoint",
-    "HandshakeResult",
-    "client_handshake",
-    "parse_endpoint",
-    "register_rank",
-    "resolve_secret",
-]
+__all__ = ["WATCH_IDLE_S", "ControlServer", "Endpoint", "parse_endpoint", "resolve_secret"]
 
 log = get_logger("akv.control")
+
+#: Seconds a watch (`watch`) may stay silent before the server ends it (saying so): its
+#: decode rank sends a keep-alive every `WATCH_EVERY_S`, unless its event loop stalls.
+WATCH_IDLE_S = 30.0
 
 
 @dataclass(slots=True)
@@ -77,6 +62,7 @@ class _Conn:
     source: str
     started: float = field(default_factory=time.monotonic)
     authenticated: bool = False  # only then is it protected from eviction
+    watching: bool = False  # kept open by its client as a watch of this process (KeepAlive)
 
 
 class ControlServer:
@@ -105,6 +91,10 @@ class ControlServer:
             slowly it trickles its bytes.
         read_timeout: seconds each read may take (after authentication, and within the deadline).
         max_frame: bytes a client frame may have.
+        max_watches: authenticated connections their decode ranks keep open as watches of
+            this process (`watch`); they do not count against ``max_connections``. A watch
+            past the cap is answered ``busy`` and closed (that decode rank then learns of
+            this process's death only from NIXL, or from its deadlines).
         directory: returns the requests to announce to clients that ask (demos and tests).
         metrics: where to count handshakes (default: a new [`Metrics`][akv.Metrics]).
         advertise_host: the address other ranks and decode engines reach this server at
@@ -130,6 +120,7 @@ class ControlServer:
         handshake_timeout: float = 5.0,
         read_timeout: float = 5.0,
         max_frame: int = DEFAULT_SERVER_MAX_FRAME,
+        max_watches: int = 4096,
         directory: Callable[[], Sequence[RequestInfo]] | None = None,
         metrics: Metrics | None = None,
         advertise_host: str | None = None,
@@ -155,6 +146,7 @@ class ControlServer:
         self.handshake_timeout = handshake_timeout
         self.read_timeout = read_timeout
         self.max_frame = max_frame
+        self.max_watches = max_watches
         self.directory = directory
         self.metrics = metrics or Metrics()
         # What other ranks are told: give the reachable address when binding 0.0.0.0 or ::.
@@ -172,6 +164,11 @@ class ControlServer:
     def active(self) -> int:
         """Connections being served now."""
         return len(self._conns)
+
+    @property
+    def watches(self) -> int:
+        """Connections kept open as watches of this process."""
+        return sum(c.watching for c in self._conns.values())
 
     @property
     def unauthenticated(self) -> int:
@@ -279,10 +276,11 @@ class ControlServer:
         """Make room for a new unauthenticated connection from ``source``; False if there is none."""
         pending = [c for c in self._conns.values() if not c.authenticated]  # oldest first
         mine = [c for c in pending if c.source == source]
+        served = len(self._conns) - self.watches  # watches hold no handshake slot
         victim = None
         if len(mine) >= self.max_unauthenticated_per_source:
             victim = mine[0]
-        elif len(pending) >= self.max_unauthenticated or len(self._conns) >= self.max_connections:
+        elif len(pending) >= self.max_unauthenticated or served >= self.max_connections:
             victim = pending[0] if pending else None
             if victim is None:
                 return False
@@ -343,7 +341,9 @@ class ControlServer:
         while True:
             msgs: list[tuple[Message | AkvError, bytes | None]] = []
             limit = self.read_timeout
-            if not conn.authenticated:  # one deadline for the whole handshake, not per read
+            if conn.watching:  # a decode rank whose loop stalls a while is no reason to end it
+                limit = max(limit, WATCH_IDLE_S)
+            elif not conn.authenticated:  # one deadline for the whole handshake, not per read
                 limit = min(limit, deadline - time.monotonic())
             with anyio.move_on_after(max(limit, 0)) as scope:
                 try:
@@ -352,6 +352,9 @@ class ControlServer:
                     return
             if scope.cancelled_caught:
                 self.metrics.inc("connections_timed_out")
+                if conn.watching:  # said, so that the decode rank does not take this process for dead
+                    with anyio.move_on_after(1):
+                        await stream.send(encode_frame(Error(code="busy", message="the watch was idle")))
                 return
             try:
                 bodies = frames.feed(data)
@@ -366,6 +369,14 @@ class ControlServer:
             for msg, raw in msgs:
                 replies, done = conv.receive(msg, raw)
                 conn.authenticated = conv.authenticated
+                if conv.watching and not conn.watching:
+                    conn.watching = True
+                    if self.watches > self.max_watches:
+                        conn.watching = False
+                        self.metrics.inc("watches_refused")
+                        with anyio.move_on_after(1):
+                            await stream.send(encode_frame(Error(code="busy", message="too many watches")))
+                        return
                 for reply in replies:
                     with anyio.fail_after(self.read_timeout):
                         await stream.send(encode_frame(reply))
@@ -386,142 +397,3 @@ def _geometry_differences(ours: Any, theirs: Any) -> list[tuple[str, str, str]]:
             if x != y:
                 out.append((f"{a.name}.{name}", str(x), str(y)))
     return out or [("spec", "?", "?")]
-
-
-class _Client:
-    """Frames in and out of one client connection."""
-
-    def __init__(self, stream: ByteStream) -> None:
-        self.stream = stream
-        self.frames = FrameBuffer(DEFAULT_CLIENT_MAX_FRAME)
-        self.pending: list[bytes] = []
-
-    async def send(self, msg: Message) -> None:
-        await self.stream.send(encode_frame(msg))
-
-    async def receive(self) -> tuple[Message, bytes]:
-        """The next message and the bytes it was decoded from."""
-        while not self.pending:
-            try:
-                data = await self.stream.receive(1 << 20)
-            except anyio.EndOfStream:
-                raise HandshakeError(
-                    "the remote engine closed the connection mid-handshake (a TLS server does this to a "
-                    "plaintext client, or to one without a client certificate its CA signed)"
-                ) from None
-            self.pending.extend(self.frames.feed(data))
-        body = self.pending.pop(0)
-        return decode_message(body), body
-
-
-async def _converse_client(client: _Client, conv: ClientConversation) -> HandshakeResult:
-    out: Message | None = conv.start()
-    while out is not None:
-        await client.send(out)
-        out = conv.receive(*await client.receive())
-    if conv.result is None:  # pragma: no cover - the conversation sets it when done
-        raise HandshakeError("handshake ended without a result")
-    return conv.result
-
-
-async def client_handshake(
-    endpoint: Endpoint,
-    hello: Hello,
-    *,
-    secret: bytes | None,
-    choose_ranks: Callable[[Challenge], Sequence[int]],
-    connect_timeout: float = 5.0,
-    handshake_timeout: float = 10.0,
-    retries: int = 3,
-    backoff: float = 0.2,
-    list_requests: bool = False,
-    sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
-    tls: ssl.SSLContext | None = None,
-) -> HandshakeResult:
-    """Run the client side against one endpoint, retrying unreachable endpoints with backoff.
-
-    A server answering ``busy`` (no room for another connection) is tried again until
-    ``connect_timeout`` has passed since the first attempt. Raises
-    [`HandshakeError`][akv.errors.HandshakeError] (or a subclass) naming the endpoint; refusals by the
-    server (incompatible, auth) are not retried. ``tls``: a client context (see
-    [`TLSConfig.client_context`][akv.TLSConfig.client_context]) to talk TLS with.
-    """
-    last: Exception | None = None
-    busy_until = time.monotonic() + connect_timeout
-    attempt = 0
-    while attempt <= retries:
-        if attempt:
-            await sleep(backoff * math.pow(2, attempt - 1))
-        attempt += 1
-        try:
-            with anyio.fail_after(connect_timeout):
-                stream = await anyio.connect_tcp(endpoint.host, endpoint.port)
-        except (OSError, TimeoutError) as exc:
-            last = exc
-            continue
-        async with stream:
-            try:
-                conv = ClientConversation(hello, secret, choose_ranks, list_requests=list_requests)
-                with anyio.fail_after(handshake_timeout):
-                    wire = stream if tls is None else await client_wrap(stream, tls, endpoint.host, endpoint)
-                    return await _converse_client(_Client(wire), conv)
-            except ssl.SSLError as exc:  # after the TLS handshake: e.g. our certificate refused
-                raise tls_failure(exc, endpoint) from None
-            except TimeoutError:
-                raise HandshakeError(
-                    f"handshake with {endpoint} timed out after {handshake_timeout}s (hung peer?)"
-                ) from None
-            except (anyio.BrokenResourceError, OSError) as exc:
-                if tls is not None:  # TLS was set up: the server dropped us (our certificate?)
-                    raise tls_failure(exc, endpoint) from None
-                last = exc
-                continue
-            except ServerBusyError as exc:
-                if time.monotonic() + backoff >= busy_until:
-                    raise ServerBusyError(
-                        f"{endpoint} stayed busy for the connect timeout ({connect_timeout}s): {exc}"
-                    ) from None
-                last = exc
-                attempt -= 1  # a busy server does not use up a retry, the clock bounds it
-                await sleep(backoff)
-                continue
-            except FrameError as exc:
-                raise HandshakeError(f"bad reply from {endpoint}: {exc}") from None
-    raise HandshakeError(f"cannot reach {endpoint} after {retries + 1} attempts: {last}")
-
-
-async def register_rank(
-    bootstrap: Endpoint,
-    msg: Register,
-    *,
-    secret: bytes | None,
-    timeout: float = 5.0,  # noqa: ASYNC109 (one deadline for connect, send and reply)
-    tls: ssl.SSLContext | None = None,
-) -> Registered:
-    """Register a rank's endpoint with its engine's bootstrap; returns its reply (the engine
-    id and instance id), whose MAC is checked when there is a secret.
-
-    Raises :class:`HandshakeError` if the bootstrap cannot be reached or refuses
-    ([`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming the field where
-    the rank's geometry differs from rank 0's).
-    """
-    if secret is not None:
-        msg = msgspec.structs.replace(msg, mac=register_mac(secret, msg))
-    try:
-        with anyio.fail_after(timeout):
-            async with await anyio.connect_tcp(bootstrap.host, bootstrap.port) as stream:
-                wire = stream if tls is None else await client_wrap(stream, tls, bootstrap.host, bootstrap)
-                client = _Client(wire)
-                await client.send(msg)
-                reply, _ = await client.receive()
-    except ssl.SSLError as exc:
-        raise tls_failure(exc, bootstrap) from None
-    except (OSError, TimeoutError, anyio.BrokenResourceError) as exc:
-        raise HandshakeError(f"cannot register with the bootstrap at {bootstrap}: {exc}") from None
-    if isinstance(reply, Error):
-        raise_for_error(reply)
-    if not isinstance(reply, Registered):
-        raise HandshakeError(f"the bootstrap at {bootstrap} answered {type(reply).__name__}, not Registered")
-    if secret is not None and not hmac.compare_digest(registered_mac(secret, msg, reply), reply.mac):
-        raise AuthenticationError(f"the bootstrap at {bootstrap} could not prove it knows the shared secret")
-    return reply

@@ -1,8 +1,11 @@
 """Finding a prefill engine's ranks and handshaking with them (one conversation per endpoint).
 
 Owns discovery (the bootstrap rank's list, a rank-list address, etcd), the concurrent
-handshakes, and the identity a session is pinned to: one engine, one incarnation of it. It
-returns what the ranks answered, as values; linking their agents is `akv.runtime.links`'s.
+handshakes, and the identity a session is pinned to: one engine (its id), in its latest
+incarnation (its instance id): ranks of another engine are refused, a new incarnation of
+the same engine (a restarted pod) is adopted, every rank needed found again in it. It
+returns what the ranks answered, as values (`Found`), with each handshake's connection
+kept open to watch the rank's process by; linking their agents is `akv.runtime.links`'s.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ import secrets
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import msgspec
+from anyio.abc import ByteStream
 
 from akv.backends import host_is_here, reads_over_tcp
 from akv.errors import (
@@ -40,15 +45,38 @@ from akv.runtime.rank import DecodeRank, _leaves
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["EngineFinder"]
+__all__ = ["EngineFinder", "Found"]
+
+
+@dataclass
+class Found:
+    """What one `EngineFinder.fetch` found: the engine's challenge, the ranks' metadata, each
+    handshake's connection kept open (``(endpoint, ranks it served, stream)``: the caller
+    watches the ranks' processes with it, and closes it), and whether the engine answered as
+    a new incarnation of the one linked before (``restarted``: every rank needed is then in
+    ``ranks``, found again in it)."""
+
+    challenge: Challenge
+    ranks: dict[int, RankInfo]
+    kept: list[tuple[Endpoint, list[int], ByteStream]] = field(default_factory=list)
+    restarted: bool = False
+    instance: str = ""  # the incarnation that answered ("": it did not say)
+
+    async def aclose(self) -> None:
+        """Close the connections kept (what nobody watches)."""
+        kept, self.kept = self.kept, []
+        with anyio.CancelScope(shield=True):
+            for _, _, stream in kept:
+                await stream.aclose()
 
 
 class EngineFinder:
     """Finds the ranks of the engine at ``address`` and handshakes with them for ``rank``.
 
     ``needed`` maps the engine's TP size to the ranks this decode rank needs. ``engine_id``
-    and ``instance`` pin the engine once linked: ranks of another engine, or of a restarted
-    one, are refused with [`EngineChangedError`][akv.errors.EngineChangedError].
+    pins the engine once linked: ranks of another engine are refused with
+    [`EngineChangedError`][akv.errors.EngineChangedError]; ``instance`` is the incarnation
+    linked last, and one of the same engine answering with another is adopted (`Found`).
     """
 
     def __init__(
@@ -68,6 +96,7 @@ class EngineFinder:
         self._tcp_checked = False  # whether pull was checked against READs over TCP
         #: push mode: whether the Hellos sent named this rank's staging area (packed push)
         self.staging_sent = False
+        self._retries = rank.retries  # of the fetch under way
 
     async def choose_mode(self, endpoints: Iterable[Endpoint]) -> None:
         """Decide the session's mode once, before the first handshake (the prefill ranks learn
@@ -138,9 +167,12 @@ class EngineFinder:
         return hello
 
     async def _handshake_with(
-        self, endpoint: Endpoint, choose: Callable[[Challenge], Sequence[int]]
+        self,
+        endpoint: Endpoint,
+        choose: Callable[[Challenge], Sequence[int]],
+        kept: list[tuple[Endpoint, list[int], ByteStream]] | None = None,
     ) -> HandshakeResult:
-        from akv.runtime.control import client_handshake
+        from akv.runtime.client import client_handshake
 
         c = self.rank
         if self.mode == "push" and c.transfer != "direct" and c.staging is None:
@@ -155,25 +187,47 @@ class EngineFinder:
                 )
         hello = self.hello()
         self.staging_sent = bool(hello.staging_bytes)
-        return await client_handshake(
+        streams: list[ByteStream] = []
+        result = await client_handshake(
             endpoint,
             hello,
             secret=c.secret,
             choose_ranks=choose,
             connect_timeout=c.connect_timeout,
             handshake_timeout=c.handshake_timeout,
-            retries=c.retries,
+            retries=self._retries,
             tls=c.tls_context,
+            keep=streams.append if kept is not None else None,
         )
+        if kept is not None and streams:
+            if result.ranks:
+                kept.append((endpoint, sorted(result.ranks), streams[0]))
+            else:  # it served none of the ranks needed: nothing of it to watch
+                with anyio.CancelScope(shield=True):
+                    await streams[0].aclose()
+        return result
 
-    async def fetch(self, ranks: set[int] | None) -> tuple[Challenge, dict[int, RankInfo]]:
+    async def fetch(self, ranks: set[int] | None, *, retries: int | None = None) -> Found:
         """Find the endpoints of ``ranks`` (None: every rank needed) and handshake with them.
 
-        Push chosen by mode "auto" (READs would go over TCP) and refused by an engine that
-        serves only pull: an [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming
-        ``mode``, since pulling from it over TCP could kill it."""
+        An engine answering with another incarnation than the one linked before (restarted)
+        is handshaken with again for every rank needed, and that is what comes back
+        (``restarted``). ``retries``: reconnects to an unreachable endpoint (default: the
+        rank's ``retries``; 0 for ranks whose process is known to be gone). Push chosen by mode "auto" (READs would go over TCP) and refused by
+        an engine that serves only pull: an
+        [`IncompatiblePeerError`][akv.errors.IncompatiblePeerError] naming ``mode``, since
+        pulling from it over TCP could kill it."""
+        self._retries = self.rank.retries if retries is None else retries
         try:
             found = await self._fetch(ranks)
+            if (
+                found.restarted
+                and ranks is not None
+                and set(found.ranks) != self.needed(found.challenge.tp_size)
+            ):
+                await found.aclose()  # the ranks of the old incarnation are linked anew too
+                found = await self._fetch(None)
+                found.restarted = True
         except IncompatiblePeerError as exc:
             if not self._auto_push or "mode" not in exc.fields:
                 raise
@@ -187,13 +241,32 @@ class EngineFinder:
         self._auto_push = False  # the engine took the mode: it stays
         return found
 
-    async def _fetch(self, ranks: set[int] | None) -> tuple[Challenge, dict[int, RankInfo]]:
+    async def _fetch(self, ranks: set[int] | None) -> Found:
+        kept: list[tuple[Endpoint, list[int], ByteStream]] = []
+        try:
+            challenge, infos, instance = await self._fetch_kept(ranks, kept)
+        except BaseException:
+            await Found(None, {}, kept).aclose()  # type: ignore[arg-type]
+            raise
+        restarted = bool(self.instance and instance and instance != self.instance)
+        return Found(challenge, infos, kept, restarted, instance)
+
+    def adopt(self, found: Found) -> None:
+        """The ranks ``found`` were linked: their incarnation is the one this session serves
+        from now on (a later fetch answering another is a restart)."""
+        self.engine_id = found.challenge.engine_id
+        if found.instance:
+            self.instance = found.instance
+
+    async def _fetch_kept(
+        self, ranks: set[int] | None, kept: list[tuple[Endpoint, list[int], ByteStream]]
+    ) -> tuple[Challenge, dict[int, RankInfo], str]:
         addr = self.address
         infos: dict[int, RankInfo] = {}
         challenges: list[Challenge] = []
         if isinstance(addr, BootstrapAddress):
             await self.choose_mode([addr.endpoint])
-            tp, endpoints, first = await self._from_bootstrap(addr.endpoint, ranks)
+            tp, endpoints, first = await self._from_bootstrap(addr.endpoint, ranks, kept)
             challenges.append(first.challenge)
             infos.update(first.ranks)
         elif isinstance(addr, RankListAddress):
@@ -209,7 +282,7 @@ class EngineFinder:
         results: list[HandshakeResult] = []
 
         async def one(ep: Endpoint, wanted: list[int]) -> None:
-            results.append(await self._handshake_with(ep, lambda ch: sorted(wanted)))
+            results.append(await self._handshake_with(ep, lambda ch: sorted(wanted), kept))
 
         try:
             async with anyio.create_task_group() as tg:
@@ -229,12 +302,12 @@ class EngineFinder:
                     f"the ranks at {addr} are not one engine: {ch.engine_id!r} of TP size {ch.tp_size} "
                     f"answered where {challenges[0].engine_id!r} of TP size {tp} was expected"
                 )
-        self._check_same_engine(challenges)
-        return challenges[0], infos
+        return challenges[0], infos, self._check_same_engine(challenges)
 
-    def _check_same_engine(self, challenges: list[Challenge]) -> None:
-        """Refuse (before adopting any metadata) ranks of another engine, or of another
-        incarnation of it, than the one this session linked to first."""
+    def _check_same_engine(self, challenges: list[Challenge]) -> str:
+        """Refuse (before adopting any metadata) ranks of another engine than the one this
+        session linked to first, and ranks of two incarnations at once; returns the
+        incarnation they answered with ("" if none said)."""
         ids = sorted({ch.instance_id for ch in challenges if ch.instance_id})
         engine = challenges[0].engine_id
         if len(ids) > 1:
@@ -245,17 +318,13 @@ class EngineFinder:
                 f"{self.engine_id!r}: connect again for a session to it",
                 "engine_id",
             )
-        if self.instance and ids and ids[0] != self.instance:
-            raise EngineChangedError(
-                f"engine {engine!r} at {self.address} was restarted (instance {ids[0]}, this session "
-                f"linked to instance {self.instance}): connect again for a session to it",
-                "instance_id",
-            )
-        if ids:
-            self.instance = ids[0]
+        return ids[0] if ids else ""
 
     async def _from_bootstrap(
-        self, bootstrap: Endpoint, ranks: set[int] | None
+        self,
+        bootstrap: Endpoint,
+        ranks: set[int] | None,
+        kept: list[tuple[Endpoint, list[int], ByteStream]],
     ) -> tuple[int, dict[int, Endpoint], HandshakeResult]:
         """Ask rank 0 for the engine's rank endpoints (waiting for ranks not registered yet);
         metadata of the needed ranks it serves itself comes in the same conversation."""
@@ -268,13 +337,16 @@ class EngineFinder:
                 need.update(ranks if ranks is not None else self.needed(ch.tp_size))
                 return sorted(r for r in need if r in ch.ranks)
 
-            first = await self._handshake_with(bootstrap, choose)
+            mine: list[tuple[Endpoint, list[int], ByteStream]] = []
+            first = await self._handshake_with(bootstrap, choose, mine)
             ch = first.challenge
             listed = ch.endpoints or [str(bootstrap)] * ch.tp_size
             missing = sorted(r for r in need if r not in first.ranks and not listed[r])
             if not missing:
+                kept.extend(mine)
                 endpoints = {r: parse_endpoint(listed[r]) for r in need if r not in first.ranks}
                 return ch.tp_size, endpoints, first
+            await Found(ch, {}, mine).aclose()  # asked again below
             if time.monotonic() + delay > deadline:
                 raise MissingRanksError(
                     f"prefill ranks {missing} of engine {ch.engine_id!r} have not registered with its "

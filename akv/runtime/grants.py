@@ -91,18 +91,24 @@ class Grants:
             self.stopping[transfer] = (error, now + self.stop_grace_s)
         self._wake()
 
-    def settle(self, now: float, *, closing: bool, may_replace: bool) -> None:
+    def settle(self, now: float, *, closing: bool, may_replace: bool, others: bool) -> None:
         """Report the failed pushes whose writers all stopped. Past the grace period, a writer
         that did not confirm may still send WRITEs (over TCP, removing its agent does not stop
         data it already queued): with ``may_replace`` the pull waits in `cut` until this
         rank's agent, whose worker and registrations those WRITEs target, is replaced (then
         `finish`); an agent this rank may not replace (handed in): the silent writers' agents
-        are removed and the pull is reported. ``closing``: the close destroys the agent
+        are removed and the pull is reported. A push whose silent writers are all gone (their
+        processes died) is not kept waiting for the grace, they will never answer, unless
+        ``others`` (other pulls of the rank are in flight: replacing the agent would fail them
+        too): then it waits for them to end, at most until its grace ran out. ``closing``: the close destroys the agent
         before it reports them."""
         for transfer, (error, deadline) in list(self.stopping.items()):
             op = transfer.op
             if not op.settled:
-                if now < deadline or transfer in self.cut or closing:
+                # past the grace, or every silent writer is gone (none of them will answer) and
+                # no other pull would be failed by the agent's replacement
+                waiting = now < deadline and not (op.orphaned and not others)
+                if waiting or transfer in self.cut or closing:
                     continue
                 silent = list(op.unconfirmed)
                 self.metrics.inc("push_stops_unconfirmed")

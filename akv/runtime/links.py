@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
+from anyio.abc import ByteStream
 
 from akv.errors import (
     AkvError,
     BackPressureError,
     ClosedError,
+    HandshakeError,
     IncompatiblePeerError,
     PeerLostError,
     TransferError,
@@ -32,11 +34,12 @@ from akv.errors import (
 )
 from akv.geometry.cache import CacheSpec
 from akv.plan import RankMemory, TransferPlan
-from akv.protocol.address import EngineAddress
+from akv.protocol.address import Endpoint, EngineAddress
 from akv.protocol.messages import Challenge, Notice, RankInfo, encode_notice
 from akv.protocol.push import PushNotice, encode_push
 from akv.runtime import local
-from akv.runtime.finder import EngineFinder
+from akv.runtime.client import watch
+from akv.runtime.finder import EngineFinder, Found
 from akv.runtime.local import LocalRank
 from akv.runtime.paths import packed
 from akv.runtime.paths.copy import CopyPlan
@@ -61,6 +64,7 @@ class RankLink:
     broken: bool = False
     loading: anyio.Event | None = None
     dropped: bool = False  # its reference to the remote agent was given back
+    gone: bool = False  # its process died (its control connection ended: see EngineLinks._watch)
     directory: RemoteTable | None = None  # its packed-copy directory, prepared (akv.packing)
 
 
@@ -70,8 +74,8 @@ class EngineLinks:
     Args:
         rank: the decode rank.
         address: the engine's address.
-        on_lost: called with a rank and the error when a rank's link is reset: the pulls
-            waiting on reads from it fail with that error.
+        on_lost: called with a rank, the error and whether its process is gone when a rank's
+            link is reset: the pulls waiting on it fail with that error.
         log: the session's logger.
     """
 
@@ -79,7 +83,7 @@ class EngineLinks:
         self,
         rank: DecodeRank,
         address: EngineAddress,
-        on_lost: Callable[[int, AkvError], None],
+        on_lost: Callable[[int, AkvError, bool], None],
         log: Any,
     ) -> None:
         self.rank = rank
@@ -99,6 +103,7 @@ class EngineLinks:
         self._loading: anyio.Event | None = None
         self._installing = anyio.Lock()  # one plan rebuild at a time
         self._relink_failed: dict[int, tuple[anyio.Event, AkvError]] = {}  # rank -> failed attempt
+        self._watches: dict[Endpoint, anyio.CancelScope] = {}  # endpoint -> its watch (see _watch)
 
     @property
     def agents(self) -> dict[int, str]:
@@ -138,8 +143,8 @@ class EngineLinks:
                 return
         self._loading = done = anyio.Event()
         try:
-            challenge, infos = await self.finder.fetch(None)
-            await self._install(challenge, infos)
+            found = await self.finder.fetch(None)
+            await self._install(found)
         except BaseException:
             self.metrics.inc("handshakes_failed")
             raise
@@ -151,17 +156,68 @@ class EngineLinks:
             "handshake done",
             remote=self.remote_engine_id,
             prefill_tp=self.prefill_tp,
-            ranks=sorted(infos),
+            ranks=sorted(found.ranks),
             mode=self.mode,
         )
 
-    async def _install(self, ch: Challenge, infos: dict[int, RankInfo]) -> None:
-        """Load the agents of ``infos`` (replacing older links of those ranks), rebuild the plan,
-        prepare what changed. NIXL calls run in a worker thread; one install at a time."""
-        async with self._installing:
-            await self._install_locked(ch, infos)
+    async def _install(self, found: Found) -> None:
+        """Load the agents of the ranks ``found`` (replacing older links of those ranks),
+        rebuild the plan, prepare what changed, watch their processes; then their engine's
+        incarnation is the session's. NIXL calls run in a worker thread; one install at a time."""
+        try:
+            async with self._installing:
+                await self._install_locked(found.challenge, found.ranks, found.restarted)
+        except BaseException:
+            await found.aclose()
+            raise
+        self.finder.adopt(found)
+        if found.restarted:
+            self.metrics.inc("engine_restarts")
+            self.log.warning(
+                "the prefill engine restarted: its new incarnation is linked, pulls of what only "
+                "the old one exposed fail",
+                remote=found.challenge.engine_id,
+                instance=found.instance,
+            )
+        await self._watch_all(found)
 
-    async def _install_locked(self, ch: Challenge, infos: dict[int, RankInfo]) -> None:
+    async def _watch_all(self, found: Found) -> None:
+        """Watch the processes of the ranks ``found`` through their handshake connections."""
+        kept, found.kept = found.kept, []
+        for endpoint, ranks, stream in kept:
+            old = self._watches.pop(endpoint, None)
+            if old is not None:
+                old.cancel()
+            scope = anyio.CancelScope()
+            links = {r: self.links[r] for r in ranks if r in self.links}
+            if self.closed or not self.rank.spawn(self._watch, endpoint, links, stream, scope):
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+                continue
+            self._watches[endpoint] = scope
+
+    async def _watch(
+        self, endpoint: Endpoint, links: dict[int, RankLink], stream: ByteStream, scope: anyio.CancelScope
+    ) -> None:
+        """One endpoint's watch (`akv.runtime.client.watch`): once its ranks' process is gone,
+        their links are lost (the pulls waiting on them fail at once, the next pull needing
+        them links them again)."""
+        why = None
+        with scope:
+            why = await watch(stream)
+        if self._watches.get(endpoint) is scope:
+            del self._watches[endpoint]
+        if why is None or scope.cancel_called:
+            return
+        for rank, link in links.items():
+            if self.links.get(rank) is not link or link.dropped or link.broken:
+                continue  # linked again since, or known lost already
+            link.broken = link.gone = True
+            self.metrics.inc("peers_lost")
+            self.log.warning("prefill rank lost: the pulls needing it fail", prefill_rank=rank, reason=why)
+            self._on_lost(rank, PeerLostError(f"prefill rank {rank} at {endpoint} is gone: {why}"), True)
+
+    async def _install_locked(self, ch: Challenge, infos: dict[int, RankInfo], restarted: bool) -> None:
         if self.closed:
             raise ClosedError("the session is closed")
         c = self.rank
@@ -188,7 +244,12 @@ class EngineLinks:
         for r in infos:  # a rank linked before (lost, or restarted): forget its old agent first
             link = self.links.get(r)
             if link is not None:
-                self._on_lost(r, PeerLostError(f"the link to prefill rank {r} was reset"))
+                why = (
+                    f"engine {ch.engine_id!r} was restarted"
+                    if restarted
+                    else f"the link to prefill rank {r} was reset"
+                )
+                self._on_lost(r, PeerLostError(why), False)
                 self._drop(link)
                 link.broken = True
         epoch = c.agent_epoch
@@ -230,7 +291,6 @@ class EngineLinks:
                 self.copier = CopyPlan(plan.tables, c.kv_caches, here, c.copy_inline_bytes, c.copy_with)
             except TransferError as exc:  # the tensors do not match what was announced: read instead
                 self.log.warning("prefill ranks of this process are read through NIXL", error=str(exc))
-        self.finder.engine_id = ch.engine_id
         self.remote_spec = ch.spec
         self.prefill_tp = ch.tp_size
         self.lease_s = ch.lease_s
@@ -299,6 +359,9 @@ class EngineLinks:
         """Forget every link and the plan (the session closed); nothing is linked again."""
         self.closed = True
         self.finder.forget()
+        for scope in self._watches.values():
+            scope.cancel()
+        self._watches.clear()
         for link in self.links.values():
             self._drop(link)
         self.links.clear()
@@ -318,9 +381,9 @@ class EngineLinks:
             done = anyio.Event()
             for r in todo:
                 self.links[r].loading = done
+            gone = all(self.links[r].gone for r in todo)  # no reconnects to what is known dead
             try:
-                challenge, infos = await self.finder.fetch(set(todo))
-                await self._install(challenge, infos)
+                await self._install(await self.finder.fetch(set(todo), retries=0 if gone else None))
                 self.metrics.inc("handshakes")
                 self.log.info("prefill ranks re-linked", ranks=todo)
             except BaseException as exc:
@@ -335,6 +398,10 @@ class EngineLinks:
                     failure = (done, exc)
                     for r in todo:
                         self._relink_failed[r] = failure
+                    if gone and type(exc) is HandshakeError:  # unreachable, and known dead: gone for now
+                        raise PeerLostError(
+                            f"prefill ranks {todo} are lost, and linking them again failed: {exc}"
+                        ) from exc
                 raise
             finally:
                 done.set()
@@ -363,6 +430,7 @@ class EngineLinks:
         link = self.links.get(rank)
         if link is not None:
             link.broken = True
+            link.gone |= isinstance(error, PeerLostError)  # NIXL saw its endpoint fail: dead
 
     def invalidate(self, ranks: Sequence[int]) -> None:
         """Writers that did not confirm a stop in time: forget their agents (the next pull
@@ -437,7 +505,7 @@ class EngineLinks:
         for r in plan.notify:  # a rank of this process that closed: link again (it may have restarted)
             here = self.links[r].local
             if here is not None and not local.alive(here):
-                self._on_lost(r, PeerLostError(f"prefill rank {r} of this process closed"))
+                self._on_lost(r, PeerLostError(f"prefill rank {r} of this process closed"), True)
                 self.links[r].broken = True
         while lost := [r for r in plan.notify if self.links[r].broken or self.links[r].loading]:
             await self.relink(lost)  # other ranks may be re-linking meanwhile: look again after

@@ -307,6 +307,21 @@ class PullPoller:
         except BackendError as exc:  # pragma: no cover - defensive: the poller tries again
             self.log.warning("draining notifications failed", error=str(exc))
 
+    def lost(self, owner: PullOwner, rank: int, error: AkvError, gone: bool) -> None:
+        """A prefill rank of ``owner``'s engine was lost: fail with ``error`` the pulls in
+        flight that wait on it. ``gone``: its process died, so as a push writer it will never
+        confirm a stop: its failed pushes are not kept waiting for that (`Grants.settle`)."""
+        for transfer in list(self._running.get(owner, ())):
+            if rank in transfer.op.ranks:
+                if gone:
+                    transfer.op.writers_gone((rank,))
+                self.fail(transfer, error)
+        if gone:
+            for transfer in self.grants.stopping:
+                if transfer.session is owner:
+                    transfer.op.writers_gone((rank,))
+            self._backoff.wake()
+
     def fail(self, transfer: Transfer, error: AkvError) -> None:
         """Fail a pull: stop its transfer and settle it with ``error`` once nothing it started
         can still write into its blocks: at once, unless NIXL still reports reads running (see
@@ -513,7 +528,12 @@ class PullPoller:
             if self._unflushed:
                 self._flush_noticed(time.monotonic())
             if self.grants.stopping:
-                self.grants.settle(now, closing=self._closing, may_replace=self._replace_agent is not None)
+                self.grants.settle(
+                    now,
+                    closing=self._closing,
+                    may_replace=self._replace_agent is not None,
+                    others=bool(len(self._tracker)),
+                )
             reaper = self.reaper
             if len(reaper) or reaper.background:
                 reaper.retry()

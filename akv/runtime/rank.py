@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -109,6 +109,14 @@ class RankBase:
     def running(self) -> bool:
         """True between entering and leaving the context."""
         return self._tg is not None and not self.closed
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> bool:
+        """Run ``fn(*args)`` as a task of this rank (cancelled when the rank closes); False,
+        and nothing started, once it is not running."""
+        if self._tg is None or self.closed:
+            return False
+        self._tg.start_soon(fn, *args)
+        return True
 
     async def __aenter__(self) -> Any:
         if self._stack is not None or self.closed:
@@ -285,6 +293,9 @@ class DecodeRank(Protocol):
 
     def local_dlist(self, key: Any, table: npt.NDArray[np.int64]) -> Any:
         """The prepared local list of a plan table (shared by every session)."""
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> bool:
+        """Run ``fn(*args)`` as a task of the rank; False once it is not running."""
 
     async def enable_packing(self) -> None:
         """Set up the staging area of packed reads (once)."""

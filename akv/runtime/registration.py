@@ -18,7 +18,7 @@ from anyio.abc import TaskStatus
 from akv.errors import AuthenticationError, ConfigError, HandshakeError, IncompatiblePeerError, RefusedError
 from akv.protocol.address import Endpoint
 from akv.protocol.messages import Register, Registered
-from akv.runtime.control import register_rank
+from akv.runtime.client import register_rank
 
 __all__ = ["REGISTER_EVERY_S", "keep_in_etcd", "keep_registered"]
 

@@ -123,11 +123,10 @@ class TransferSession:
         """Handshake with every prefill rank this rank needs; shared by concurrent callers."""
         await self.engine.handshake()
 
-    def _lost(self, rank: int, error: AkvError) -> None:
-        """A rank's link was reset: fail the pulls in flight that wait on reads from it."""
-        for transfer in self.poller.running(self):
-            if rank in transfer.op.ranks:
-                self.poller.fail(transfer, error)
+    def _lost(self, rank: int, error: AkvError, gone: bool) -> None:
+        """A rank's link was reset (``gone``: its process died): fail the pulls in flight
+        that wait on it."""
+        self.poller.lost(self, rank, error, gone)
 
     def path_for(self, prepared: Prepared) -> PathName:
         """The path a prepared request takes: ``"packed"`` where the consumer's ``transfer``

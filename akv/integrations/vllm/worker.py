@@ -33,7 +33,7 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from akv.errors import AkvError, NotExposedError, UnknownRequestError
+from akv.errors import AkvError, EngineChangedError, NotExposedError, UnknownRequestError
 from akv.integrations.vllm.layout import LayerGroup, describe
 from akv.integrations.vllm.params import ConnectorMeta, ExposeJob, PullJob
 
@@ -407,6 +407,7 @@ class WorkerHalf:
         remote = job.remote
         try:
             req = self._request(job)
+            changed = False
             while True:
                 try:
                     if launched is not None:
@@ -416,6 +417,14 @@ class WorkerHalf:
                         transfer = await session.pull(req)
                     result = await transfer
                     break
+                except EngineChangedError:
+                    # another engine id answers at the address: a prefill instance restarted
+                    # without a fixed engine_id (vLLM draws one at each start). The request came
+                    # from whoever answers there now: a session to it, once.
+                    if changed:
+                        raise
+                    changed = True
+                    await (await self.consumer.connect(remote.address)).aclose()
                 except NotExposedError:
                     # the prefill workers expose a request one engine step after it finished
                     if time.monotonic() >= deadline:

@@ -28,7 +28,7 @@ after control returns.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -99,6 +99,11 @@ class PathOp(Protocol):
         """Push: the writers that may still write (asked to stop, not confirmed)."""
 
     @property
+    def orphaned(self) -> bool:
+        """Push: True once every writer still unconfirmed is gone (its process died: it will
+        never confirm, so waiting out the grace for it is pointless)."""
+
+    @property
     def stages(self) -> Mapping[str, float]:
         """Seconds of its stages so far, for benchmarks (``data`` and ``check`` of a read,
         ``lookup``, ``read`` and ``scatter`` of a packed read)."""
@@ -113,6 +118,9 @@ class PathOp(Protocol):
     def on_notice(self, agent: str, notice: PushNotice) -> bool:
         """Push: a writer's notice for its grant; False if the op does not take it (the
         poller drops and counts it)."""
+
+    def writers_gone(self, ranks: Collection[int]) -> None:
+        """Push: these prefill ranks' processes are gone (see `orphaned`)."""
 
     def abort(self) -> None:
         """Stop: release what the op holds. When it returns, nothing the op started can write
@@ -148,6 +156,10 @@ class OpBase:
         return ()
 
     @property
+    def orphaned(self) -> bool:
+        return False
+
+    @property
     def stages(self) -> Mapping[str, float]:
         return {}
 
@@ -156,6 +168,9 @@ class OpBase:
 
     def on_notice(self, agent: str, notice: PushNotice) -> bool:
         return False
+
+    def writers_gone(self, ranks: Collection[int]) -> None:
+        return None
 
     def finished(self) -> None:
         return None

@@ -15,7 +15,7 @@ removes the silent writers' agents and settles (see docs/concepts.md for what th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from akv.backends import Backend
@@ -75,6 +75,7 @@ class PushOp(OpBase):
         self.pushed: set[int] = set()
         self.stopped: set[int] = set()  # confirmed: nothing of theirs can land any more
         self.failure: Failed | None = None
+        self.gone: set[int] = set()  # writers whose process died (they never confirm)
         self.aborted = False
         self._changed = False
 
@@ -147,6 +148,16 @@ class PushOp(OpBase):
     def unconfirmed(self) -> list[int]:
         """Writers that may still write into the pull's blocks."""
         return sorted(r for r in self.writers if r not in self.pushed and r not in self.stopped)
+
+    @property
+    def orphaned(self) -> bool:
+        """True once every writer still unconfirmed is gone."""
+        unconfirmed = self.unconfirmed
+        return bool(unconfirmed) and self.gone.issuperset(unconfirmed)
+
+    def writers_gone(self, ranks: Collection[int]) -> None:
+        """These writers' processes are gone."""
+        self.gone.update(r for r in ranks if r in self.writers)
 
     @property
     def settled(self) -> bool:
