@@ -10,13 +10,18 @@ from collections.abc import Callable
 import anyio
 import anyio.lowlevel
 
-__all__ = ["FLUSH_S", "PUSH_POLL_S", "Backoff", "from_threads"]
+__all__ = ["FLUSH_S", "PUSH_POLL_S", "WIREUP_POLL_S", "Backoff", "from_threads"]
 
 #: Seconds a rank keeps progressing its agent after it sent notices outside a transfer (UCX
 #: sends them only while the agent progresses), on either side.
 FLUSH_S = 0.5
 #: Longest sleep of a poller while push grants may arrive or complete, on either side.
 PUSH_POLL_S = 0.0005
+#: Longest sleep of a poller for `FLUSH_S` after a peer linked: UCX sets up the transport to a
+#: new peer in messages that move only while both agents progress; a prefill rank that slept
+#: its quiet 50 ms between them made the first read of a new decode rank wait 135-140 ms
+#: against 8-21 ms for the second (``akv bench --only scale``, prompt table).
+WIREUP_POLL_S = 0.001
 
 
 def from_threads(fn: Callable[[], object]) -> Callable[[], None]:
@@ -69,6 +74,7 @@ class Backoff:
         self._last = time.monotonic()
         self._delay = 0.0
         self._event = anyio.Event()
+        self._hurry_until, self._hurry_every = 0.0, math.inf
 
     def progressed(self) -> None:
         """Record progress: the next waits spin."""
@@ -80,9 +86,22 @@ class Backoff:
         self.progressed()
         self._event.set()
 
+    def hurry(self, seconds: float, every: float) -> None:
+        """For the next ``seconds``, sleep at most ``every`` whatever the work (see
+        `WIREUP_POLL_S`)."""
+        self._hurry_until, self._hurry_every = time.monotonic() + seconds, every
+        self.wake()
+
+    @property
+    def hurrying(self) -> bool:
+        """Whether a `hurry` still lasts."""
+        return time.monotonic() < self._hurry_until
+
     async def wait(self, busy: bool, limit: float | None = None) -> None:
         """Wait before the next poll; ``busy`` means work is pending, ``limit`` caps the sleep."""
         now = time.monotonic()
+        if now < self._hurry_until:
+            limit = self._hurry_every if limit is None else min(limit, self._hurry_every)
         if busy and now - self._last < self.spin_s:
             await anyio.lowlevel.checkpoint()
             return

@@ -36,6 +36,7 @@ COUNTERS: tuple[str, ...] = (
     "lease_extensions",
     "unsafe_reads",
     "agent_resets",
+    "sessions_closed_idle",
     # push mode
     "push_announcements",
     "push_writes",

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from akv.errors import TransferError
 
 __all__ = [
+    "SLICE_BYTES",
+    "SLICE_DESCS",
     "Backend",
     "DlistHandle",
     "Reaper",
@@ -29,10 +31,63 @@ __all__ = [
     "poll_handles",
     "rdma_devices",
     "reads_over_tcp",
+    "slice_bounds",
     "ucx_tcp_only",
 ]
 
 XferState = Literal["DONE", "PROC"]
+
+#: A transfer of more descriptors than this, or of more bytes than `SLICE_BYTES`, is posted
+#: as transfers of at most that much, one at a time between the poller's other work, on
+#: both sides: UCX copies while a transfer over shared memory is posted, so one READ of a
+#: long request (262,144 descriptors, 1 GiB, for 64k tokens of a 32-layer per-layer layout)
+#: held the event loop for the whole transfer (1.5 s); a slice holds it a few milliseconds
+#: (docs/performance.md, "Scale").
+SLICE_DESCS = 1024
+SLICE_BYTES = 4 << 20
+
+
+def slice_bounds(count: int, run_bytes: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the slices of ``count`` descriptors of ``run_bytes`` bytes each on
+    average (0: unknown): at most `SLICE_DESCS` and about `SLICE_BYTES` a slice."""
+    per = SLICE_DESCS if run_bytes <= 0 else max(1, min(SLICE_DESCS, SLICE_BYTES // run_bytes))
+    return [(a, min(a + per, count)) for a in range(0, count, per)]
+
+
+def cut_rows(rows: npt.NDArray[np.int64], most: int) -> npt.NDArray[np.int64]:
+    """``(addr, len, device)`` rows with every run longer than ``most`` cut into runs of
+    ``most`` bytes (and a last shorter one), in order: the same cut on both sides of a
+    transfer, whose rows pair runs of equal lengths."""
+    lengths = rows[:, 1]
+    pieces = -(-lengths // most)
+    if int(pieces.max(initial=1)) <= 1:
+        return rows
+    idx = np.repeat(np.arange(len(rows)), pieces)
+    first = np.cumsum(pieces) - pieces
+    k = np.arange(len(idx)) - np.repeat(first, pieces)  # piece number within its run
+    out: npt.NDArray[np.int64] = rows[idx].copy()
+    out[:, 0] += k * most
+    out[:, 1] = np.minimum(most, lengths[idx] - k * most)
+    return out
+
+
+def row_slices(
+    local: npt.NDArray[np.int64], remote: npt.NDArray[np.int64]
+) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
+    """A transfer of paired ``(addr, len, device)`` rows as transfers of at most
+    `SLICE_DESCS` rows and `SLICE_BYTES` bytes (a longer run cut in pieces); one if it is small."""
+    if len(local) <= SLICE_DESCS and int(local[:, 1].sum()) <= SLICE_BYTES:
+        return [(local, remote)]
+    local, remote = cut_rows(local, SLICE_BYTES), cut_rows(remote, SLICE_BYTES)
+    out, at, n = [], 0, len(local)
+    while at < n:
+        sizes = np.cumsum(local[at : at + SLICE_DESCS, 1])
+        stop = at + max(1, int(np.searchsorted(sizes, SLICE_BYTES, side="right")))
+        out.append((local[at:stop], remote[at:stop]))
+        at = stop
+    return out
+
+
 DlistHandle = Any
 XferHandle = Any
 

@@ -249,6 +249,10 @@ def plot(summary: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    scale = [w for w in summary["workloads"] if w.get("name") == "scale"]
+    if scale:
+        plot_scale(scale, path, plt)
+        return
     rows = [w for w in summary["workloads"] if "perblock_gbps" in w]
     names = [w["name"] for w in rows]
     methods = ("akv", "nixl", "perblock", "memcpy")
@@ -262,3 +266,69 @@ def plot(summary: dict[str, Any], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_scale(rows: list[dict[str, Any]], path: str, plt: Any) -> None:
+    """``akv bench --only scale``: one panel per table, each curve beside its floor."""
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    (prompt_ax, gap_ax, inflight_ax), (engines_ax, readers_ax, etcd_ax) = axes
+    prompt = [r for r in rows if r.get("table") == "prompt"]
+    for layout in sorted({r["layout"] for r in prompt}):
+        for tp in sorted({r["tp"] for r in prompt}):
+            sel = [r for r in prompt if r["layout"] == layout and r["tp"] == tp]
+            if not sel:
+                continue
+            x = [r["tokens"] for r in sel]
+            prompt_ax.plot(x, [r["auto_pull_ms"] for r in sel], "o-", label=f"akv auto {layout} {tp}")
+            prompt_ax.plot(x, [r["nixl_ms"] for r in sel], "x--", label=f"raw NIXL {layout} {tp}")
+            gap_ax.plot(
+                x,
+                [max(r["direct_loop_gap_ms"], r["packed_loop_gap_ms"]) for r in sel],
+                "o-",
+                label=f"{layout} {tp}",
+            )
+    for ax, title, ylabel in (
+        (prompt_ax, "one request: pull time by auto's path, and raw NIXL", "ms"),
+        (gap_ax, "the event loop's longest wait while it moved", "ms"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens (32 layers, 16-token blocks)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    for how in ("pull", "pull_many"):
+        sel = [r for r in rows if r.get("table") == "inflight" and r["launch"] == how]
+        inflight_ax.plot(
+            [r["pulls"] for r in sel], [r["decode_cpu_us"] for r in sel], "o-", label=f"decode CPU ({how})"
+        )
+    inflight_ax.set(
+        xscale="log", xlabel="one-block pulls in flight", ylabel="us per pull", title="pulls in flight"
+    )
+    inflight_ax.legend(fontsize=7)
+    sel = [r for r in rows if r.get("table") == "engines"]
+    engines_ax.plot(
+        [r["engines"] for r in sel], [r["connect_ms"] for r in sel], "o-", label="connect ms per engine"
+    )
+    engines_ax.plot(
+        [r["engines"] for r in sel], [r["pull_ms_median"] for r in sel], "o-", label="pull ms (median)"
+    )
+    engines_ax.plot(
+        [r["engines"] for r in sel], [r["rss_mb_per_engine"] for r in sel], "o-", label="MB per engine"
+    )
+    engines_ax.set(
+        xscale="log", xlabel="prefill engines linked by one decode rank", title="engines per decode rank"
+    )
+    engines_ax.legend(fontsize=7)
+    for ax, table, xkey, ykey, xlabel, ylabel, title in (
+        (readers_ax, "readers", "readers", "prefill_cpu_us_per_notice", "decode ranks reading one prefill rank",
+         "prefill CPU us per notice", "readers per prefill rank"),
+        (etcd_ax, "etcd", "engines", "resolve_ms_median", "engines registered in etcd", "resolve ms (median)",
+         "a fleet in etcd"),
+    ):  # fmt: skip
+        sel = [r for r in rows if r.get("table") == table]
+        ax.plot([r[xkey] for r in sel], [r[ykey] for r in sel], "o-")
+        ax.set(xscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    fig.suptitle("akv bench --only scale (DRAM over UCX loopback)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

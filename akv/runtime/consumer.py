@@ -147,6 +147,12 @@ class Consumer(RankBase):
             measured, see docs/performance.md#packed-transfers; 32 on device memory, where a
             descriptor costs ~6 us and packed runs also when runs average up to 1 MiB, not
             only below 2 KiB: docs/gpu.md).
+        idle_timeout: close a session no pull, heartbeat or `connect` used for this many
+            seconds (none of its pulls in flight): its control connections, its watch and the
+            remote agents it loaded go, so a rank that met thousands of engines holds only
+            those it pulls from (docs/performance.md#scale). The next `connect` to that engine
+            handshakes again; a session held past it raises
+            [`ClosedError`][akv.errors.ClosedError] at its next pull. Default: never.
     """
 
     _role = "d"
@@ -182,6 +188,7 @@ class Consumer(RankBase):
         transfer: str = "auto",
         pack_staging_bytes: int = 64 << 20,
         pack_threshold: int | None = None,
+        idle_timeout: float | None = None,
     ) -> None:
         super().__init__(
             kv_caches,
@@ -197,6 +204,11 @@ class Consumer(RankBase):
         )
         if not transfer_timeout > 0:
             raise ConfigError(f"transfer_timeout must be > 0, got {transfer_timeout}")
+        if idle_timeout is not None and not 0 < idle_timeout < float("inf"):
+            raise ConfigError(
+                f"idle_timeout must be a finite number of seconds > 0 (or None), got {idle_timeout}"
+            )
+        self.idle_timeout = idle_timeout
         if not 0 < settle_timeout < float("inf"):
             raise ConfigError(f"settle_timeout must be a finite number of seconds > 0, got {settle_timeout}")
         self.settle_timeout = settle_timeout
@@ -275,6 +287,23 @@ class Consumer(RankBase):
             self.checks.dlist = await anyio.to_thread.run_sync(backend.prep, "", self.checks.table(), "DRAM")
             stack.push_async_callback(self._poller.send_notices)  # runs before the poller stops
         tg.start_soon(self._poller.run)
+        if self.idle_timeout is not None:
+            tg.start_soon(self._close_idle, self.idle_timeout)
+
+    async def _close_idle(self, idle_timeout: float) -> None:
+        """Close the sessions unused for ``idle_timeout`` seconds (see the parameter)."""
+        while True:
+            await anyio.sleep(min(idle_timeout / 4, 1.0))
+            now = time.monotonic()
+            for key, session in list(self._sessions.items()):
+                idle = now - session.used
+                if session.closed or idle < idle_timeout or self._poller.running(session):
+                    continue
+                await session.aclose()
+                if self._sessions.get(key) is session:
+                    del self._sessions[key]
+                self.metrics.inc("sessions_closed_idle")
+                self._log.info("closed a session idle past idle_timeout", engine=key, idle_s=round(idle, 1))
 
     async def enable_packing(self) -> None:
         """Allocate and register the staging area of packed reads (once; the first session
@@ -282,7 +311,11 @@ class Consumer(RankBase):
         async with self._packing:
             if self.staging is not None or self.transfer == "direct":
                 return
-            staging = StagingPool(self.pack_staging_bytes, self.kv_caches[0], self.copy_with)
+            # made (and its pages touched) off the event loop: the first packed pull does not
+            # pay for the page faults of the whole area
+            staging = await anyio.to_thread.run_sync(
+                StagingPool, self.pack_staging_bytes, self.kv_caches[0], self.copy_with
+            )
             staging.wake = from_threads(self._backoff.wake)
             directories = SlotPool(self._max_checks, DIR_WORDS)
             backend = self.backend
@@ -395,6 +428,7 @@ class Consumer(RankBase):
         while True:
             session = self._sessions.get(key)
             if session is not None and not session.closed:
+                session.used = time.monotonic()
                 return session
             pending = self._connecting.get(key)
             if pending is None:

@@ -10,8 +10,10 @@ when its exposure is released (read, lease expiry, close), after the exposure wa
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -25,7 +27,7 @@ from akv.kernels import RunCopier
 from akv.ledger import Release
 from akv.packing import Arena, CacheViews, PackDirectory, gather, gather_segment, sections
 from akv.protocol.messages import PackInfo
-from akv.runtime.pusher import PackedCopy
+from akv.runtime.push_state import PackedCopy
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +108,9 @@ class Packer:
         #: generation); published by `settle` once their event fired
         self.pending: dict[str, tuple[Any, int, int, int]] = {}
         self.freeing: list[tuple[Any, int]] = []  # dropped while gathering: freed once done
+        self._threads: ThreadPoolExecutor | None = None  # gathers of long requests (DRAM)
+        #: called from that thread when a gather is done (the producer wakes its poller)
+        self.wake: Callable[[], None] = lambda: None
 
     def info(self, mem_type: str, device_id: int) -> PackInfo:
         """What the handshake tells decode ranks."""
@@ -142,6 +147,15 @@ class Packer:
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(slot.device))
         event: Any = None
+        if stream is None and self.copier is None and size >= THREAD_BYTES and not self.early:
+            # a long request's gather: in the packer's thread (torch releases the GIL while it
+            # copies), published as a device gather is, once done; readers meanwhile wait
+            # for it or read the paged blocks
+            event = _Job(self._worker().submit(self._gather_all, secs, per_group, slot), self.wake)
+            self.slots[request_id] = offset
+            self.pending[request_id] = (event, offset, size, generation)
+            self.directory.mark_pending(request_id)
+            return True
         try:
             with torch.cuda.stream(stream) if stream is not None else _null():
                 if self.copier is not None:
@@ -169,6 +183,27 @@ class Packer:
             event.synchronize()
         return self._publish(request_id, generation, offset, size)
 
+    def touch(self) -> None:
+        """Touch every page of the pool (DRAM), so that the first gathers do not pay for the
+        page faults of the whole pool (*blocking*)."""
+        if not self.pool.is_cuda:
+            self.pool.fill_(0)
+
+    def _gather_all(self, secs: Sequence[Any], per_group: Sequence[npt.NDArray[np.int32]], slot: Any) -> None:
+        for s in secs:
+            gather(self.views, s, per_group[s.group], slot)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(1, thread_name_prefix="akv-pack")
+        return self._threads
+
+    def close(self) -> None:
+        """Stop the gathering thread once its gathers are done."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+            self._threads = None
+
     def _publish(self, request_id: str, generation: int, offset: int, size: int) -> bool:
         """Publish a packed copy; False (slot freed) if its directory bucket is full."""
         if not self.directory.publish(request_id, generation, offset, size):
@@ -194,8 +229,20 @@ class Packer:
         for request_id, (event, offset, size, generation) in list(self.pending.items()):
             if event.query():
                 del self.pending[request_id]
+                if isinstance(event, _Job) and event.failed:  # no copy: the request is read directly
+                    del self.slots[request_id]
+                    self.directory.retire(request_id)  # its pending mark
+                    self.arena.free(offset)
+                    done.append((request_id, False))
+                    continue
                 done.append((request_id, self._publish(request_id, generation, offset, size)))
         return done
+
+    @property
+    def spinning(self) -> bool:
+        """True while a device gather is pending (settled by polling its event: the poller
+        spins); a gather in the packer's thread wakes the poller itself."""
+        return any(not isinstance(e, _Job) for e, *_ in (*self.pending.values(), *self.freeing))
 
     def copy_of(self, request_id: str) -> tuple[int, int, int] | Literal["pending"] | None:
         """``(generation, offset, nbytes)`` of a request's published copy; ``"pending"`` while
@@ -219,6 +266,31 @@ class Packer:
         self.directory.retire(request_id)
         self.arena.free(offset)
         return True
+
+
+#: DRAM requests of at least this many bytes are gathered in the packer's thread, not in
+#: ``expose()`` on the event loop: a 1 GiB one held the prefill rank's loop for the whole copy.
+THREAD_BYTES = 8 << 20
+
+
+class _Job:
+    """A gather in the packer's thread, seen as a device gather's event is (`query`,
+    `synchronize`)."""
+
+    def __init__(self, future: concurrent.futures.Future[None], wake: Callable[[], None]) -> None:
+        self.future = future
+        future.add_done_callback(lambda _: wake())
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    @property
+    def failed(self) -> bool:
+        """True once done in error (the request is read directly)."""
+        return self.future.done() and self.future.exception() is not None
+
+    def synchronize(self) -> None:
+        concurrent.futures.wait([self.future])
 
 
 class _null:
@@ -262,7 +334,7 @@ class PackLifecycle:
 
     @property
     def busy(self) -> bool:
-        """True while gathers are queued on the device (the poller spins: microseconds)."""
+        """True while gathers are queued on the device or run in the packer's thread."""
         return bool(self.packer.pending or self.packer.freeing)
 
     def exposed(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from akv._poll import FLUSH_S, PUSH_POLL_S
+from akv._poll import FLUSH_S, PUSH_POLL_S, WIREUP_POLL_S
 from akv.backends import Reaper
 from akv.errors import (
     AkvError,
@@ -279,6 +279,10 @@ class PullPoller:
         """Standalone notices leave only while the agent progresses: keep at it briefly."""
         self._flush_until = time.monotonic() + FLUSH_S
         self._backoff.wake()
+
+    def linked(self) -> None:
+        """Prefill ranks were linked: progress the agent often while their transports wire up."""
+        self._backoff.hurry(FLUSH_S, WIREUP_POLL_S)
 
     def sent(self, owner: PullOwner, ranks: Collection[int]) -> None:
         """Notices of ``owner`` reached these prefill ranks over NIXL outside a transfer
@@ -557,7 +561,8 @@ class PullPoller:
                 backoff.progressed()
             flushing = now < self._flush_until
             reaping = now < self._reap_until
-            if (flushing or reaping) and not pushing:
+            wiring = backoff.hurrying
+            if (flushing or reaping or wiring) and not pushing:
                 try:
                     self._agent().progress()
                 except BackendError as exc:  # pragma: no cover - defensive: keep polling

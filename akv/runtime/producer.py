@@ -20,7 +20,7 @@ import numpy.typing as npt
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from akv._poll import PUSH_POLL_S
+from akv._poll import FLUSH_S, PUSH_POLL_S, WIREUP_POLL_S, from_threads
 from akv.backends import mem_type
 from akv.errors import (
     AkvError,
@@ -40,7 +40,8 @@ from akv.runtime import local, registration
 from akv.runtime.control import ControlServer
 from akv.runtime.listeners import Listeners
 from akv.runtime.packer import Packer, PackLifecycle, check_transfer, fragmented
-from akv.runtime.pusher import PackedCopy, Pusher
+from akv.runtime.push_state import PackedCopy
+from akv.runtime.pusher import Pusher
 from akv.runtime.rank import RankBase, default_engine_id
 from akv.tls import TLSConfig
 
@@ -269,6 +270,9 @@ class Producer(RankBase):
         await anyio.to_thread.run_sync(self.backend.register_host, self.ledger.table.array)
         stack.callback(self.ledger.table.close)
         if self.packer is not None:
+            self.packer.wake = from_threads(self._backoff.wake)  # its thread's gathers are done
+            stack.callback(self.packer.close)
+            await anyio.to_thread.run_sync(self.packer.touch)
             await anyio.to_thread.run_sync(self.backend.register, [self.packer.pool])
             await anyio.to_thread.run_sync(self.backend.register_host, self.packer.directory.array)
             stack.callback(self.packer.directory.close)
@@ -351,9 +355,9 @@ class Producer(RankBase):
 
     def peer_connected(self, engine_id: str, decode_rank: int, decode_tp: int, agent_name: str) -> None:
         """Remember a decode rank: its engine's TP size (it fixes how many notifications to
-        expect) and its NIXL agent (its notices are accepted only from that agent)."""
-        self._peers[engine_id] = decode_tp
-        self._senders[agent_name] = (engine_id, decode_rank, decode_tp)
+        expect) and its NIXL agent (notices only from it count; it wires up to ours now)."""
+        self._peers[engine_id], self._senders[agent_name] = decode_tp, (engine_id, decode_rank, decode_tp)
+        self._backoff.hurry(FLUSH_S, WIREUP_POLL_S)
         self._log.info("decode rank connected", peer=engine_id, decode_rank=decode_rank, decode_tp=decode_tp)
 
     def push_peer(self, hello: Hello) -> None:
@@ -587,7 +591,8 @@ class Producer(RankBase):
                     self._log.warning("push progress failed", error=str(exc))
             if self.packing is not None and self.packing.busy:
                 self.packing.settle()
-                backoff.progressed()  # spin until the gathers are done (microseconds)
+                if self.packer is not None and self.packer.spinning:  # device gathers: microseconds
+                    backoff.progressed()  # spin until the gathers are done (microseconds)
             expired, until = self.ledger.expire(now)
             self._deliver(expired)
             if pusher.targets and len(self.ledger):  # announcements may come: look often

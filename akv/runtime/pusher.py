@@ -19,125 +19,34 @@ fails the grant, answered ``failed`` under the same condition.
 
 from __future__ import annotations
 
-import enum
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from akv import exposure
 from akv._poll import FLUSH_S
-from akv.backends import DlistHandle, Reaper, XferHandle, mem_type, poll_handles
+from akv.backends import DlistHandle, Reaper, mem_type, poll_handles, row_slices, slice_bounds
 from akv.errors import AkvError, BlockIdError, ConfigError, PeerLostError, TransferError
 from akv.pack_layout import desc_rows, plan_runs, staged_bytes
 from akv.plan import RankMemory, TransferPlan
 from akv.protocol.messages import Hello, Notice
 from akv.protocol.push import Kind, PushNotice, encode_push, reply
+from akv.runtime.push_state import GrantState, PackedCopy, PushRank, _Grant, _Target
 
 if TYPE_CHECKING:
-    import torch
-
-    from akv.backends import Backend
-    from akv.geometry.cache import CacheSpec
-    from akv.ledger import Release, ReleaseLedger
-    from akv.metrics import Metrics
+    from akv.ledger import Release
     from akv.plan import Prepared
 
-__all__ = ["MAX_GRANTS", "RETIRED", "GrantState", "PackedCopy", "PushRank", "Pusher"]
+__all__ = ["MAX_GRANTS", "RETIRED", "Pusher"]
 
 #: Grants (announcements not finished) held at once per decode rank.
 MAX_GRANTS = 4096
 #: Released request ids remembered, so a late announcement is answered at once.
 RETIRED = 65536
-
-
-class GrantState(enum.Enum):
-    """Where a grant is: waiting for its request (exposed, or its packed copy gathered),
-    writing, ending (its answer goes out once none of its WRITEs can land), done."""
-
-    WAITING = "waiting"
-    WRITING = "writing"
-    ENDING = "ending"
-    DONE = "done"
-
-
-class PushRank(Protocol):
-    """What a `Pusher` reads of the prefill rank it writes for (a [`Producer`][akv.Producer]
-    is one): its agent, cache, ledger and lease. The pusher never calls back into it; releases
-    go out through the ``deliver`` callable it is handed."""
-
-    @property
-    def backend(self) -> Backend: ...
-    @property
-    def cache(self) -> CacheSpec: ...
-    @property
-    def kv_caches(self) -> list[torch.Tensor]: ...
-    @property
-    def ledger(self) -> ReleaseLedger: ...
-    @property
-    def lease_s(self) -> float: ...
-    @property
-    def metrics(self) -> Metrics: ...
-    @property
-    def tp_rank(self) -> int: ...
-    @property
-    def tp_size(self) -> int: ...
-    def packed_copy(self, request_id: str) -> PackedCopy | Literal["pending"] | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class PackedCopy:
-    """Where a prefill rank's packed copy of a request is (registered memory)."""
-
-    addr: int
-    nbytes: int
-    generation: int
-    mem_type: str
-    device_id: int
-
-
-@dataclass(eq=False)
-class _Target:
-    """A decode rank pushed to: its agent, plan and the lists prepared for it."""
-
-    agent: str
-    hello: Hello
-    plan: TransferPlan | None = None
-    lists: dict[tuple[str, Any], DlistHandle] = field(default_factory=dict)
-
-    @property
-    def identity(self) -> tuple[str, int, int]:
-        return self.hello.engine_id, self.hello.tp_rank, self.hello.tp_size
-
-
-@dataclass(eq=False)
-class _Grant:
-    """One announcement: what to write where, and how far it got."""
-
-    target: _Target
-    notice: PushNotice
-    received: float
-    state: GrantState = GrantState.WAITING
-    generation: int = 0  # the exposure it writes (known once started)
-    digest: int = 0
-    local: DlistHandle = None
-    remote: DlistHandle = None
-    ri: npt.NDArray[np.int32] | None = None  # this rank's descriptors
-    li: npt.NDArray[np.int32] | None = None  # the decode rank's
-    layers: npt.NDArray[np.int64] | None = None  # last model layer of each descriptor
-    sent: npt.NDArray[np.bool_] | None = None
-    pending: dict[XferHandle, None] = field(default_factory=dict)  # WRITEs in flight
-    reaping: int = 0  # handles handed to the reaper, not released yet
-    answer: PushNotice | None = None  # what to send once nothing can land ("stopped"/"failed")
-    packed: bool = False  # writes the packed copy into the decode rank's staging area
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.target.agent, self.notice.grant
 
 
 class Pusher:
@@ -376,6 +285,7 @@ class Pusher:
         grant.layers = plan.layers[op.remote_table][np.searchsorted(ends, ri, side="right")]
         grant.ri, grant.li = ri, li
         grant.sent = np.zeros(ri.size, dtype=bool)
+        grant.run_bytes = prepared.bytes // max(prepared.descriptors, 1)
         grant.generation, grant.digest = gen, exposure.digest(exposed)
         grant.state = GrantState.WRITING
         self._advance(grant)
@@ -426,21 +336,27 @@ class Pusher:
         grant.state = GrantState.WRITING
         if not lengths.size:  # nothing of it lies on this rank: done at the next poll
             return
+        local = desc_rows(copy.addr + src, lengths, copy.device_id)
+        remote = desc_rows(n.staging + into, lengths, hello.device_id)
+        grant.rows = deque(row_slices(local, remote))  # a long copy: a slice a poll
+        grant.mem = (copy.mem_type, hello.mem_type)
+        self.metrics.inc("packed_pushes")
+        self._advance_packed(grant)
+
+    def _advance_packed(self, grant: _Grant) -> None:
+        """Post the next slice of a packed push's WRITE."""
+        if grant.state is not GrantState.WRITING or not grant.rows:
+            return
+        local, remote = grant.rows.popleft()
         try:
-            handle = p.backend.write_descs(
-                grant.target.agent,
-                desc_rows(copy.addr + src, lengths, copy.device_id),
-                copy.mem_type,
-                desc_rows(n.staging + into, lengths, hello.device_id),
-                hello.mem_type,
-                b"",
+            handle = self.producer.backend.write_descs(
+                grant.target.agent, local, grant.mem[0], remote, grant.mem[1], b""
             )
         except TransferError as exc:
             self._end(grant, self._notice(grant, "failed", "transfer", str(exc)))
             return
         grant.pending[handle] = None
         self.metrics.inc("push_writes")
-        self.metrics.inc("packed_pushes")
 
     def _advance(self, grant: _Grant) -> None:
         """Post a WRITE of the descriptors whose layers are ready and not written yet."""
@@ -449,17 +365,19 @@ class Pusher:
         if grant.ri is None or grant.li is None:  # pragma: no cover - set together when started
             return
         ready = self.ready.get(grant.notice.request_id, self.layers)
-        mask = ~grant.sent & (grant.layers < ready)
-        if not mask.any():
+        idx = np.flatnonzero(~grant.sent & (grant.layers < ready))
+        if not idx.size:
+            grant.more = False
             return
+        bounds = slice_bounds(idx.size, grant.run_bytes)  # a long write: a slice a poll
+        grant.more = len(bounds) > 1
+        idx = idx[: bounds[0][1]]
         try:
-            handle = self.producer.backend.write(
-                grant.local, grant.ri[mask], grant.remote, grant.li[mask], b""
-            )
+            handle = self.producer.backend.write(grant.local, grant.ri[idx], grant.remote, grant.li[idx], b"")
         except TransferError as exc:
             self._end(grant, self._notice(grant, "failed", "transfer", str(exc)))
             return
-        grant.sent |= mask
+        grant.sent[idx] = True
         grant.pending[handle] = None
         self.metrics.inc("push_writes")
 
@@ -468,6 +386,12 @@ class Pusher:
         changed = False
         backend = self.producer.backend
         for grant in list(self.grants.values()):
+            if grant.more:  # the next slice of a long write
+                self._advance(grant)
+                changed = True
+            elif grant.rows:
+                self._advance_packed(grant)
+                changed = True
             if grant.pending:
                 polled = poll_handles(backend, self.reaper, grant.pending)
                 changed |= polled.changed
@@ -477,6 +401,7 @@ class Pusher:
             if (
                 grant.state is GrantState.WRITING
                 and not grant.pending
+                and not grant.rows
                 and grant.sent is not None
                 and grant.sent.all()
             ):

@@ -23,8 +23,9 @@ from akv.protocol.push import PushNotice
 from akv.runtime.paths import Failed, OpBase, PathName, PathOp
 from akv.runtime.paths.copy import CopyPlan
 from akv.runtime.paths.packed import PackedLink, PackedRead, use_packed
+from akv.runtime.paths.posts import ReadPost
 from akv.runtime.paths.push import PackedPush, PushOp
-from akv.runtime.paths.read import NixlRead, ReadPost, SettledRead
+from akv.runtime.paths.read import NixlRead, SettledRead
 from akv.runtime.transfer import PullRequest, Transfer
 from akv.tracker import TransferState
 
@@ -218,8 +219,9 @@ class Routes:
 
     def _posts(self, prepared: Prepared) -> list[ReadPost]:
         dlists = self.engine.dlists
+        run = prepared.bytes // max(prepared.descriptors, 1)  # the mean run: how a long read is sliced
         return [
-            ReadPost(op.remote_rank, dlists[op.local_table], li, dlists[op.remote_table], ri)
+            ReadPost(op.remote_rank, dlists[op.local_table], li, dlists[op.remote_table], ri, run)
             for op, li, ri in prepared.posts
         ]
 

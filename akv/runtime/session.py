@@ -70,6 +70,24 @@ def _check_request(request: PullRequest) -> None:
         raise ConfigError(f"lease_s must be a finite number of seconds > 0, got {request.lease_s}")
 
 
+#: A request of more local blocks than this is planned in a worker thread (`pull`): planning
+#: the 4,096 blocks of 64k tokens of a 32-layer per-layer layout (262,144 descriptors) held
+#: the event loop 16 ms.
+PLAN_INLINE_BLOCKS = 512
+
+
+def _blocks(request: PullRequest) -> int:
+    """The local blocks a request names (over every group)."""
+    ids = request.local_block_ids
+    return sum(len(v) for v in ids.values()) if isinstance(ids, Mapping) else len(ids)
+
+
+def _prepare(plan: TransferPlan, request: PullRequest) -> Prepared:
+    return plan.prepare(
+        request.request_id, request.local_block_ids, request.remote_block_ids, request.num_tokens
+    )
+
+
 #: The op of a pull's `Transfer` until its start (never seen outside the session).
 _NOT_STARTED = Refused("read", ClosedError("the pull was not started"))
 
@@ -115,6 +133,7 @@ class TransferSession:
         self.log = log.bind(engine_address=self.endpoint)
         self.metrics = rank.metrics
         self.closed = False
+        self.used = time.monotonic()  # the last pull, heartbeat or connect (see idle_timeout)
         #: the remote engine's ranks, as linked (`akv.runtime.links`)
         self.engine = EngineLinks(rank, address, self._lost, self.log)
         self.routes = Routes(rank, self.engine, poller, self)
@@ -122,6 +141,7 @@ class TransferSession:
     async def handshake(self) -> None:
         """Handshake with every prefill rank this rank needs; shared by concurrent callers."""
         await self.engine.handshake()
+        self.poller.linked()
 
     def _lost(self, rank: int, error: AkvError, gone: bool) -> None:
         """A rank's link was reset (``gone``: its process died): fail the pulls in flight
@@ -173,7 +193,13 @@ class TransferSession:
             )
         _check_request(request)
         plan = await self._ready()
-        launch = self._begin(plan, request, transfer_timeout)
+        prepared = None
+        if _blocks(request) > PLAN_INLINE_BLOCKS:  # a long request is planned off the event loop
+            prepared = await anyio.to_thread.run_sync(_prepare, plan, request)
+            ready = await self._ready()
+            if ready is not plan:  # re-linked meanwhile: planned again, on the new links
+                plan, prepared = ready, None
+        launch = self._begin(plan, request, transfer_timeout, prepared)
         started = self.routes.start(launch, inline=True)
         if started.error is not None and not started.op.grant:
             if started.unsettled:
@@ -264,8 +290,9 @@ class TransferSession:
         """The plan, once every rank a pull needs is linked (handshaking first if need be)."""
         if self.closed or self.rank.closed:
             raise ClosedError("the session is closed")
+        self.used = time.monotonic()
         if self.engine.plan is None:
-            await self.engine.handshake()
+            await self.handshake()
         plan = self.engine.plan
         if plan is None:  # pragma: no cover - a handshake sets it or raises
             raise ClosedError("the session is closed")
@@ -274,11 +301,17 @@ class TransferSession:
             raise ClosedError("the session is closed")
         return plan
 
-    def _begin(self, plan: TransferPlan, request: PullRequest, transfer_timeout: float | None) -> Launch:
-        """A request checked and planned: its reads, notice, deadline and path (nothing posted)."""
-        prepared = plan.prepare(
-            request.request_id, request.local_block_ids, request.remote_block_ids, request.num_tokens
-        )
+    def _begin(
+        self,
+        plan: TransferPlan,
+        request: PullRequest,
+        transfer_timeout: float | None,
+        prepared: Prepared | None = None,
+    ) -> Launch:
+        """A request checked and planned (``prepared``: planned already, on ``plan``): its reads,
+        notice, deadline and path (nothing posted)."""
+        if prepared is None:
+            prepared = _prepare(plan, request)
         fingerprint = exposure.digest(prepared.remote_ids)  # the notice's and the check's
         notice = self.done_notice(request.request_id, prepared.remote_ids, request.generation, fingerprint)
         timeout = self.rank.transfer_timeout if transfer_timeout is None else transfer_timeout
@@ -355,6 +388,7 @@ class TransferSession:
 
     async def heartbeat(self, request_ids: Sequence[str]) -> None:
         """Extend the prefill leases of ``request_ids``, requests this rank still intends to pull."""
+        self.used = time.monotonic()
         self.poller.sent(self, self.extend(request_ids))
 
     def fail_running(self, error: AkvError) -> None:

@@ -25,6 +25,7 @@ PROGRAMS: dict[str, str] = {
     "packed_threshold": "direct vs packed pulls of 1-16 blocks (auto's threshold)",
     "nixl_threads": "decode agents with 0, 1 and 2 NIXL worker threads",
     "etcd": "etcd discovery: SIGKILL to key gone, resolving (needs etcd)",
+    "scale": "cost as the work grows: prompt length, pulls in flight, engines, readers, etcd fleet",
 }
 
 

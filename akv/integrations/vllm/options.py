@@ -48,6 +48,9 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             (the prefill workers expose a finished request one engine step after its
             response left, and any request only once their akv thread took the step's order).
         pack_pool_bytes: prefill side with ``transfer`` packed or auto: the staging pool.
+        idle_timeout: decode side: seconds after which a prefill instance no request was
+            pulled from is unlinked (its sockets and loaded agents freed; linked again at its
+            next request); default: never.
     """
 
     host: str = "127.0.0.1"
@@ -69,6 +72,7 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     settle_timeout: float = 2.0
     expose_wait: float = 5.0
     pack_pool_bytes: int = 256 << 20
+    idle_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -76,6 +80,8 @@ class ConnectorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         for name in ("lease", "transfer_timeout", "connect_timeout", "handshake_timeout", "settle_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.idle_timeout is not None and self.idle_timeout <= 0:
+            raise ConfigError(f"idle_timeout must be > 0, got {self.idle_timeout}")
         if self.expose_wait < 0:
             raise ConfigError(f"expose_wait must be >= 0, got {self.expose_wait}")
 

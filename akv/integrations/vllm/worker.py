@@ -200,6 +200,7 @@ class WorkerHalf:
                         connect_timeout=o.connect_timeout,
                         handshake_timeout=o.handshake_timeout,
                         settle_timeout=o.settle_timeout,
+                        idle_timeout=o.idle_timeout,
                         # no spinning after progress either: vLLM reads completions once per
                         # step, so a spin only buys microseconds nobody waits for, at the price
                         # of the core vLLM's forward passes run on (polls stay 0.5-2 ms apart

@@ -16,7 +16,7 @@ Stages of one pull:
    exposure was retired, so a passing check proves the bytes read were this request's.
 3. ``scattering``: the staged bytes go into the paged cache, whatever its layout and block
    size (`akv.runtime.paths.staging.Scatter`: on the poller's thread, in the staging pool's
-   worker thread for a large DRAM pull while other packed pulls are in flight, or on CUDA one
+   worker thread for a large DRAM pull (`akv.runtime.paths.staging.WORKER_BYTES`), or on CUDA one
    kernel launch, done once its event fired); the staging range is freed exactly once, also
    on failure or abort (then only once NIXL released every read that may still land in it).
 
@@ -44,6 +44,7 @@ from akv.pack_layout import Item, desc_rows, plan_runs, staged_bytes
 from akv.packing import CacheViews, find, find_pending
 from akv.protocol.messages import PackInfo
 from akv.runtime.paths import Failed, OpBase, Outcome, PathName, Pending
+from akv.runtime.paths.posts import DescPost
 from akv.runtime.paths.read import NixlRead
 from akv.runtime.paths.staging import WORKER_BYTES, Scatter, StagingPool
 from akv.runtime.paths.tables import CheckBatcher, RemoteTable, SlotPool, copy_entries
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTO_DESCRIPTORS",
+    "AUTO_LONG_DESCRIPTORS",
+    "AUTO_LONG_RUN_BYTES",
     "AUTO_RUN_BYTES",
     "DEVICE_AUTO_DESCRIPTORS",
     "DEVICE_AUTO_RUN_BYTES",
@@ -75,6 +78,16 @@ AUTO_RUN_BYTES = 2048
 #: (derived from the per-descriptor cost, not a crossing measured on the device).
 DEVICE_AUTO_DESCRIPTORS = 32
 DEVICE_AUTO_RUN_BYTES = 1 << 20
+#: ... and, on any memory, a long request: its direct read would post more than this many
+#: descriptors of at most `AUTO_LONG_RUN_BYTES` on average. On DRAM, once a prefill engine's
+#: first read no longer waited for its transport's set-up (`akv._poll.WIREUP_POLL_S`), the
+#: packed copy of a 32-layer per-layer request (4 KiB descriptors) won at 32,768 descriptors
+#: (4k tokens from two prefill ranks: 87 against 122 ms) and at 65,536 in three runs of three
+#: (16k tokens from one: 118-133 against 151-180 ms), and was no faster at 16,384 in two of
+#: three; a head-major layout's descriptors (64 KiB and more) stayed faster read direct at
+#: every length (``akv bench --only scale``, docs/performance.md "Scale").
+AUTO_LONG_DESCRIPTORS = 30_000
+AUTO_LONG_RUN_BYTES = 16 << 10
 
 #: A prefill rank whose directory says the request's packed copy is still being gathered on
 #: the device (`akv.packing.PackDirectory.mark_pending`) is looked up again every
@@ -106,24 +119,6 @@ class PackedLink:
     directory: RemoteTable
 
 
-@dataclass(frozen=True, slots=True)
-class DescPost:
-    """One READ of a packed copy from one prefill rank: ``(addr, len, device)`` rows."""
-
-    rank: int
-    agent: str
-    local: npt.NDArray[np.int64]
-    local_mem: str
-    remote: npt.NDArray[np.int64]
-    remote_mem: str
-
-    def post(self, backend: Backend, notice: bytes) -> XferHandle:
-        """Post the READ."""
-        return backend.read_descs(
-            self.agent, self.local, self.local_mem, self.remote, self.remote_mem, notice
-        )
-
-
 def use_packed(
     transfer: str,
     prepared: Prepared,
@@ -136,7 +131,7 @@ def use_packed(
     its blocks after packing or the direct read would post more than ``threshold``
     descriptors of fewer than ``run_bytes`` bytes on average (`AUTO_DESCRIPTORS` and
     `AUTO_RUN_BYTES` on DRAM, `DEVICE_AUTO_DESCRIPTORS` and `DEVICE_AUTO_RUN_BYTES` on
-    device memory)."""
+    device memory), or the request is long (`AUTO_LONG_DESCRIPTORS`)."""
     ranks = {op.remote_rank for op, _, _ in prepared.posts}
     if not ranks or transfer == "direct":
         return False
@@ -147,8 +142,10 @@ def use_packed(
         return False
     if any(i.early for i in infos if i is not None):
         return True
-    small = prepared.bytes < run_bytes * prepared.descriptors
-    return small and prepared.descriptors > threshold
+    n = prepared.descriptors
+    if n > AUTO_LONG_DESCRIPTORS and prepared.bytes <= AUTO_LONG_RUN_BYTES * n:
+        return True
+    return prepared.bytes < run_bytes * n and n > threshold
 
 
 class PackedRead(OpBase):
@@ -455,16 +452,15 @@ class PackedRead(OpBase):
 
     def _scatter_staged(self) -> Outcome:
         """Write the verified staged bytes into the paged cache (DRAM pulls of at least
-        `WORKER_BYTES` while other packed pulls are in flight: in the staging pool's worker
-        thread, so the poller runs on; CUDA: queued, done once its event fired); free the
-        staging range once done."""
+        `WORKER_BYTES`: in the staging pool's worker thread, so the poller runs on; CUDA:
+        queued, done once its event fired); free the staging range once done."""
         scatter = self._scatter
         if scatter is None:
             base = self._staged
             if base is None:  # pragma: no cover - the reads were posted into a staging range
                 return Failed(TransferError(f"request {self.request_id!r} has no staging range"))
             scatter = self._scatter = Scatter(self.staging, self.views, self._items, base, self.request_id)
-        worker = sum(item.nbytes for item in self._items) >= WORKER_BYTES and self.staging.active >= 2
+        worker = sum(item.nbytes for item in self._items) >= WORKER_BYTES
         outcome = scatter.poll(worker)
         if isinstance(outcome, Pending):
             return outcome

@@ -1,42 +1,39 @@
-"""The read path: NIXL READs of the paged runs, then the exposure check.
+"""The read path: NIXL READs of the paged runs (a long one in slices, `akv.runtime.paths.posts`),
+then the exposure check (`akv.runtime.paths.tables`): one small READ per prefill rank read
+from, of the exposure-table bucket proving the blocks were still exposed when the data
+landed, carrying the "done" notice; or, where the rank shares its table with this host
+(`akv.shm`), a load of the request's slot, its notice left to the `CheckBatcher`'s background
+READ. The checks of one poller round go out together: per prefill rank one READ, one notice.
 
-A pull reads in two stages: ``reading`` (one READ per prefill rank, of the plan's runs) and
-``checking`` (the exposure check, `akv.runtime.paths.tables`: one small READ per prefill rank
-read from, of the exposure-table bucket that proves the blocks were still exposed when the
-data reads completed; it carries the "done" notice, so the prefill rank cannot release before
-the check was read). Where the rank is on this host and shares its table (`akv.shm`,
-`RemoteTable.table`), the check loads the request's slot from memory instead
-(`akv.exposure.shared_slot`), and its notice waits in the `CheckBatcher` for a background
-READ that no pull waits for.
-
-Checks wait in the poller's `CheckBatcher` until the end of its round: then each prefill
-rank gets one check READ for all the pulls waiting on it, carrying one notice that names them
-all (many small pulls in flight post one check each round, not one each).
-
-`NixlRead.start_now` is the same pull made at once where it can be: every prefill rank it
-reads shares its table with this host, and every data READ is done at its first poll (over
-shared memory UCX copies while posting); then the pull is verified and its notices queued
-where it was launched, and a `SettledRead` stands for it. Anything else it meets goes on as
-the `NixlRead` holding what it posted and what its first poll found.
+`NixlRead.start_now` makes the same pull at once where it can (every rank's table shared, every
+data READ done at its first poll: over shared memory UCX copies while posting): verified and
+its notices queued where it was launched, a `SettledRead` stands for it; anything else goes on
+as the `NixlRead` holding what it posted and what its first poll found.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from akv import exposure
-from akv.backends import Backend, DlistHandle, Reaper, XferHandle, poll_handles
+from akv.backends import (
+    Backend,
+    Reaper,
+    XferHandle,
+    poll_handles,
+)
 from akv.errors import AkvError, BackPressureError, PeerLostError, TransferError
 from akv.metrics import no_count
 from akv.runtime.paths import Failed, OpBase, Outcome, PathName, Pending
+from akv.runtime.paths.posts import Post, ReadPost
 from akv.runtime.paths.tables import (
     CheckBatcher,
     CheckTicket,
@@ -46,31 +43,7 @@ from akv.runtime.paths.tables import (
     unsafe,
 )
 
-__all__ = ["NixlRead", "Post", "ReadPost", "ReadStage", "SettledRead"]
-
-
-@dataclass(slots=True)
-class ReadPost:
-    """One READ of a request from one prefill rank: prepared lists and indices."""
-
-    rank: int
-    local: DlistHandle
-    local_idx: npt.NDArray[np.int32]
-    remote: DlistHandle
-    remote_idx: npt.NDArray[np.int32]
-
-    def post(self, backend: Backend, notice: bytes) -> XferHandle:
-        """Post the READ."""
-        return backend.read(self.local, self.local_idx, self.remote, self.remote_idx, notice)
-
-
-class Post(Protocol):
-    """One READ of a request from one prefill rank, ready to post."""
-
-    @property
-    def rank(self) -> int: ...
-
-    def post(self, backend: Backend, notice: bytes) -> XferHandle: ...
+__all__ = ["NixlRead", "ReadStage", "SettledRead"]
 
 
 class ReadStage(enum.Enum):
@@ -190,6 +163,8 @@ class NixlRead(OpBase):
     _noticed: frozenset[int] | None = None  # ranks the notice went to (None: not yet)
     _untaken: frozenset[int] = frozenset()  # of those, the ones `take_noticed` did not return
     _first: Outcome = None  # see adopt
+    _backlog: Iterator[Post] = iter(())  # slices of a long read not made yet (see start)
+    _next: Post | None = None  # the next slice to post
     #: seconds of its two stages, for benchmarks: from `start` until the data reads were
     #: seen done, and from then until the exposure check was seen verified
     data_s = 0.0
@@ -248,6 +223,8 @@ class NixlRead(OpBase):
         Anything else is the `NixlRead` holding what was posted and what its first poll
         found, with `Pending` (poll it: its first poll answers what was found) or, where a
         post was refused, the `Failed` of its start (aborted, as `start` leaves it)."""
+        if any(post.long for post in posts):  # a long read: sliced, polled
+            return None
         checks: list[RemoteTable] = []
         for post in posts:
             table = tables.get(post.rank)
@@ -384,8 +361,14 @@ class NixlRead(OpBase):
     # -- stages ---------------------------------------------------------------------------
 
     def start(self) -> Failed | None:
-        """Post the data reads; on failure nothing stays posted."""
+        """Post the data reads (a long one: its first slice, the others as it is polled,
+        see `akv.backends.SLICE_DESCS`; unchecked reads carry the notice, and are never sliced); on
+        failure nothing stays posted."""
         self._since = time.perf_counter()
+        if self.checks is not None and any(post.long for post in self.posts):
+            self._backlog = itertools.chain.from_iterable(post.slices() for post in self.posts)
+            self._next = next(self._backlog, None)
+            return self._post_slice()
         notice = b"" if self.checks is not None else self.notice
         backend, pending = self.backend, self._pending
         for post in self.posts:
@@ -400,20 +383,42 @@ class NixlRead(OpBase):
         self.count("xfers_data", len(pending))
         return None
 
+    def _post_slice(self) -> Failed | None:
+        """Post the next slice of a long read (see `akv.backends.SLICE_DESCS`)."""
+        post = self._next
+        if post is None:  # pragma: no cover - called only while one is left
+            return None
+        self._next = next(self._backlog, None)
+        try:
+            handle = post.post(self.backend, b"")
+        except TransferError as exc:
+            self.abort()
+            return Failed(exc, post.rank)
+        self._pending[handle] = post.rank
+        self.count("xfers_data", 1)
+        return None
+
     def poll(self) -> Outcome:
         """Poll the reads in flight; post the checks once the data is in; verify them."""
         if self._first is not None:  # polled already where it was launched (see adopt)
             first, self._first = self._first, None
             return first
         changed = False
+        if self._next is not None:  # a long read: one more slice each poll, the loop runs between
+            failed = self._post_slice()
+            if failed is not None:
+                return failed
+            changed = True
         if self._pending:
             polled = poll_handles(self.backend, self.reaper, self._pending)
             if polled.failed is not None:
                 self._errored, rank, exc = polled.failed  # finished, in error: nothing more lands
                 return Failed(exc, rank)
-            changed = polled.changed
-            if self._pending:
+            changed |= polled.changed
+            if self._pending or self._next is not None:
                 return Pending(changed)
+        elif self._next is not None:
+            return Pending(changed)
         if self.stage is ReadStage.READING:
             if self.on_settled is not None:
                 self._settle()
@@ -564,6 +569,7 @@ class NixlRead(OpBase):
             elif ticket.batch is not None:
                 ticket.batch.leave(ticket)
         self._tickets.clear()
+        self._next, self._backlog = None, iter(())  # never posted: nothing of them lands
         data = [h for h in self._pending] if not checking else []
         left = [len(data)]
 

@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 __all__ = ["WORKER_BYTES", "Scatter", "StagingPool", "scatter_items"]
 
 #: DRAM pulls of at least this many bytes are scattered in the staging pool's worker thread
-#: while other packed pulls are in flight (alone, a pull scatters on the poller's thread: the
-#: hand-off costs more than it saves then, 2.0 against 2.4 GB/s on hnd_2->1_frag).
-WORKER_BYTES = 32 << 20
+#: (numpy releases the GIL while it copies), smaller ones on the poller's thread: the scatter
+#: of a 1 GiB request held the event loop 200 ms there (``akv bench --only scale``), one of
+#: 8 MiB about 3 ms, less than the hand-off to the worker costs a small pull.
+WORKER_BYTES = 8 << 20
 
 
 class StagingPool:
@@ -48,6 +49,8 @@ class StagingPool:
             raise ConfigError(f"pack_staging_bytes must be >= 256, got {size}")
         self.arena = Arena(size)
         self.tensor = torch.empty(self.arena.size, dtype=torch.uint8, device=like.device)
+        if not self.tensor.is_cuda:  # every page touched now, not by the first pulls' READs
+            self.tensor.fill_(0)
         # the type akv registers the staging tensor as (the same rule as the caches')
         self.mem_type, self.device_id = mem_type([self.tensor])
         self._worker: ThreadPoolExecutor | None = None
