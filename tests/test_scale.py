@@ -91,7 +91,6 @@ async def test_a_long_requests_launch_runs_the_same_python_whatever_its_blocks()
     calls = {}
     async with engines(spec, 1) as (prefill,), decode(spec, backend) as consumer:
         session = await consumer.connect(prefill.endpoint)
-        await anyio.sleep(FLUSH_S)  # past the link's wire-up, when the poller progresses often
         run = 4 * 8 * 2  # bytes of one descriptor: 4 tokens of 8 float16
         for n in (1024, 4096):
             ids = list(range(n))
@@ -100,7 +99,10 @@ async def test_a_long_requests_launch_runs_the_same_python_whatever_its_blocks()
             request = akv.PullRequest(
                 request_id=f"long-{n}", local_block_ids=ids, remote_block_ids=ids, generation=generation
             )
-            await anyio.sleep(0.05)  # the poller idle: its rounds are not counted below
+            # both pollers quiet (past the link's wire-up window, and the prefill's past its
+            # busy ceiling after the expose): their rounds while the launch plans in a worker
+            # thread are not counted below
+            await anyio.sleep(FLUSH_S + 0.15)
             counter = [0]
             backend.reads.clear()
             sys.setprofile(calls_in(counter))

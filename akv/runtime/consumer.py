@@ -23,7 +23,7 @@ from anyio.abc import TaskGroup
 
 from akv._poll import from_threads
 from akv.backends import Reaper, mem_type
-from akv.errors import BackendError, ClosedError, ConfigError, PeerLostError
+from akv.errors import AkvError, BackendError, ClosedError, ConfigError, PeerLostError
 from akv.geometry.cache import CacheSpec
 from akv.geometry.layout import rank_layout
 from akv.geometry.spec import KVSpec
@@ -299,7 +299,11 @@ class Consumer(RankBase):
                 idle = now - session.used
                 if session.closed or idle < idle_timeout or self._poller.running(session):
                     continue
-                await session.aclose()
+                try:
+                    await session.aclose()
+                except AkvError as exc:  # its links go all the same (its leases release the rest)
+                    self._log.warning("closing an idle session failed", engine=key, error=str(exc))
+                    session.engine.unload()
                 if self._sessions.get(key) is session:
                     del self._sessions[key]
                 self.metrics.inc("sessions_closed_idle")

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import IO, Any
 
 import anyio
 import anyio.lowlevel
@@ -184,7 +184,8 @@ async def _prompt_pulls(
         side_session = await consumer.connect(side_endpoint)
         local = list(range(per))
         plan = session.plan
-        assert plan is not None
+        if plan is None:  # a handshake sets it or raises
+            raise akv.AkvError("the session has no transfer plan after connecting")
         prepared = plan.prepare(req.request_id, local, req.block_ids)
         if how == "packed":
             consumer.transfer = "auto"  # what auto would pick for it, from an engine that packs
@@ -359,8 +360,7 @@ def host_engines(n: int, tag: str) -> tuple[subprocess.Popen[str], list[str]]:
     proc = subprocess.Popen(
         [sys.executable, "-c", HOST_ENGINES, str(n), tag], stdout=subprocess.PIPE, text=True
     )
-    assert proc.stdout is not None
-    for msg in json_lines(proc.stdout):
+    for msg in json_lines(_pipe(proc.stdout)):
         if msg.get("event") == "ready":
             return proc, list(msg["endpoints"])
     raise akv.AkvError(f"the engines' helper process exited ({proc.wait()})")
@@ -464,14 +464,14 @@ async def readers_rows() -> list[dict[str, Any]]:
             prefill.expose("w", [2, 3])
             helper = _start_readers(str(prefill.endpoint), n)
             try:
-                assert helper.stdout is not None and helper.stdin is not None
-                lines = json_lines(helper.stdout)
+                stdin = _pipe(helper.stdin)
+                lines = json_lines(_pipe(helper.stdout))
                 await anyio.to_thread.run_sync(_next_event, lines, "linked")
                 await anyio.sleep(FLUSH_S + 0.1)  # past the links' wire-up, the poller quiet
                 prefill.expose("r", [0, 1])
                 cpu0 = time.process_time()
-                helper.stdin.write("go\n")
-                helper.stdin.flush()
+                stdin.write("go\n")
+                stdin.flush()
                 done = await anyio.to_thread.run_sync(_next_event, lines, "done")
                 with anyio.fail_after(60):
                     await released.wait()
@@ -497,6 +497,13 @@ def _start_readers(endpoint: str, n: int) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def _pipe(stream: IO[str] | None) -> IO[str]:
+    """A helper process's pipe (opened with ``subprocess.PIPE``, so never None)."""
+    if stream is None:
+        raise akv.AkvError("a helper process was started without its pipe")
+    return stream
 
 
 def _next_event(lines: Iterator[dict[str, Any]], event: str) -> dict[str, Any]:
@@ -527,7 +534,8 @@ async def etcd_rows() -> list[dict[str, Any]]:
                     t0 = time.perf_counter()
                     found = await reg.resolve(f"fleet-{i % n}")
                     times.append(time.perf_counter() - t0)
-                    assert len(found) == 1
+                    if len(found) != 1:
+                        raise akv.AkvError(f"etcd resolved {len(found)} ranks of a TP-1 engine")
                 keys = sum(len(r) for r in (await reg.list_engines()).values())
                 rows.append(
                     {
